@@ -1,0 +1,88 @@
+"""The block pool: block ids, reference counts, the LRU free queue and the hash index.
+
+Freed blocks that hold a cached hash stay in the free queue and stay hittable until the queue
+hands them out again (lazy eviction). The queue is an OrderedDict used as an O(1) LRU list:
+new blocks are taken from the front, freed blocks are appended at the back.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list = [None] * num_blocks
+        self.free_queue: OrderedDict = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict = {}            # hash -> block id
+        self.num_cached_free = 0          # free blocks that still hold a hash
+        self.num_evictions = 0            # cached blocks reallocated (their hash dropped)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take(self, count: int) -> list:
+        """Pop `count` blocks from the front of the free queue (caller checked there are enough)."""
+        free_queue = self.free_queue
+        ref_cnt = self.ref_cnt
+        blocks = []
+        for _ in range(count):
+            block, _ = free_queue.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:
+                self.num_cached_free -= 1
+                self.num_evictions += 1
+                del self.cached[h]
+                self.block_hash[block] = None
+            ref_cnt[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks) -> None:
+        """Take a reference on blocks found in the cache, pulling free ones out of the queue."""
+        ref_cnt = self.ref_cnt
+        for block in blocks:
+            if ref_cnt[block] == 0:
+                del self.free_queue[block]
+                self.num_cached_free -= 1
+            ref_cnt[block] += 1
+
+    def release(self, blocks_in_eviction_order) -> None:
+        """Drop one reference on each block; those that reach zero join the back of the queue."""
+        ref_cnt = self.ref_cnt
+        free_queue = self.free_queue
+        for block in blocks_in_eviction_order:
+            ref_cnt[block] -= 1
+            if ref_cnt[block] == 0:
+                free_queue[block] = None
+                if self.block_hash[block] is not None:
+                    self.num_cached_free += 1
+
+    def count_free_among(self, blocks) -> int:
+        """How many of `blocks` sit in the free queue (touching them would shrink it)."""
+        ref_cnt = self.ref_cnt
+        return sum(1 for b in blocks if ref_cnt[b] == 0)
+
+    def cache(self, block: int, block_hash) -> None:
+        """Register a full, in-use block under its hash (first writer wins)."""
+        if block_hash not in self.cached and self.block_hash[block] is None:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def lookup(self, block_hash):
+        return self.cached.get(block_hash)
+
+    def check(self) -> None:
+        """Assert the pool's own invariants (the manager checks the refcounts against tables)."""
+        n = self.num_blocks
+        assert all(self.ref_cnt[b] == 0 for b in self.free_queue), "a free block has references"
+        assert sum(1 for r in self.ref_cnt if r == 0) == len(self.free_queue), "free queue count"
+        assert all(r >= 0 for r in self.ref_cnt), "negative refcount"
+        assert len(self.free_queue) + sum(1 for r in self.ref_cnt if r > 0) == n
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"
+        assert sum(1 for h in self.block_hash if h is not None) == len(self.cached)
+        assert self.num_cached_free == sum(
+            1 for b in self.free_queue if self.block_hash[b] is not None), "cached-free count"

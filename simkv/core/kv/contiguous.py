@@ -1,0 +1,200 @@
+"""The contiguous-slab baseline: each admitted sequence reserves `max_model_len` tokens up front.
+
+The true length of a request is unknown until it stops, so a server without paging must reserve
+the longest possible sequence, in one contiguous range of the pool (first fit). Same interface as
+the paged manager, so both run on the same trace; no prefix caching (nothing can be shared in
+place), forks copy the parent's used blocks into the child's own slab.
+"""
+from __future__ import annotations
+
+from simkv.core.kv.manager import HostPool
+from simkv.core.request import Sequence
+
+
+class ContiguousKVCacheManager:
+    kind = "contiguous"
+    enable_prefix_caching = False
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 watermark: float = 0.0, num_host_blocks: int = 0):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.slab_blocks = -(-max_model_len // block_size)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.free_ranges: list = [(0, num_blocks)]        # sorted (start, length)
+        self.reservations: dict = {}                        # seq_id -> (start, length)
+        self.host = HostPool(num_host_blocks)
+        self.copies: list = []
+        self.seqs: dict = {}
+        self.num_cow_copies = 0
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self._reserved = 0
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self._reserved
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._reserved
+
+    num_cached_free_blocks = 0
+
+    def seq_slots(self, seq: Sequence) -> int:
+        res = self.reservations.get(seq.seq_id)
+        return res[1] * self.block_size if res else 0
+
+    def blocks_needed(self, num_tokens: int, n: int = 1, prompt_tokens: int = 0) -> int:
+        return n * self.slab_blocks
+
+    def max_admissible_blocks(self) -> int:
+        return self.num_blocks - self.watermark_blocks
+
+    def external_fragmentation(self) -> float:
+        """Fraction of the pool that is free but lies in holes too small for one reservation."""
+        unusable = sum(length for _, length in self.free_ranges if length < self.slab_blocks)
+        return unusable / self.num_blocks
+
+    def prefix_lookup(self, seq: Sequence) -> tuple:
+        return (), 0
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _find(self, length: int, keep_free: int = 0):
+        if self.num_free_blocks - length < keep_free:
+            return None
+        for i, (start, free_len) in enumerate(self.free_ranges):
+            if free_len >= length:
+                return i
+        return None
+
+    def _reserve(self, index: int, length: int) -> int:
+        start, free_len = self.free_ranges[index]
+        if free_len == length:
+            del self.free_ranges[index]
+        else:
+            self.free_ranges[index] = (start + length, free_len - length)
+        self._reserved += length
+        return start
+
+    def _release(self, start: int, length: int) -> None:
+        ranges = self.free_ranges
+        ranges.append((start, length))
+        ranges.sort()
+        merged = [ranges[0]]
+        for s, n in ranges[1:]:
+            ps, pn = merged[-1]
+            if ps + pn == s:
+                merged[-1] = (ps, pn + n)
+            else:
+                merged.append((s, n))
+        self.free_ranges = merged
+        self._reserved -= length
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks=(),
+                       admission: bool = False) -> bool:
+        """Reserve a slab on the first allocation; later growth stays inside it."""
+        end = seq.num_computed_tokens + num_new_tokens
+        needed = -(-end // self.block_size)
+        res = self.reservations.get(seq.seq_id)
+        if res is None:
+            index = self._find(self.slab_blocks, self.watermark_blocks if admission else 0)
+            if index is None:
+                return False
+            start = self._reserve(index, self.slab_blocks)
+            res = self.reservations[seq.seq_id] = (start, self.slab_blocks)
+            self.seqs[seq.seq_id] = seq
+        if needed > res[1]:
+            return False
+        table = seq.block_table
+        if needed > len(table):
+            table.extend(range(res[0] + len(table), res[0] + needed))
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child gets its own slab; the parent's used blocks are copied into it.
+
+        A fork that finds no room leaves the child without blocks; its first allocation then
+        fails and the scheduler preempts, as for any sequence that cannot grow.
+        """
+        index = self._find(self.slab_blocks)
+        if index is None:
+            return
+        start = self._reserve(index, self.slab_blocks)
+        self.reservations[child.seq_id] = (start, self.slab_blocks)
+        child.block_table = list(range(start, start + len(parent.block_table)))
+        self.copies.extend(zip(parent.block_table, child.block_table))
+        self.num_cow_copies += len(parent.block_table)
+        self.seqs[child.seq_id] = child
+
+    def free(self, seq: Sequence) -> None:
+        res = self.reservations.pop(seq.seq_id, None)
+        if res is not None:
+            self._release(*res)
+        for block in seq.host_table or ():
+            self.host.release(block)
+        seq.block_table = []
+        seq.host_table = None
+        self.seqs.pop(seq.seq_id, None)
+
+    def take_copies(self) -> list:
+        copies, self.copies = self.copies, []
+        return copies
+
+    # -- swap ---------------------------------------------------------------------------------
+    def swap_out(self, seqs) -> list | None:
+        """Copy the used blocks to host memory and give the slabs back; None if the host is full."""
+        total = sum(len(s.block_table) for s in seqs)
+        if total > len(self.host.free):
+            return None
+        mapping = []
+        for seq in seqs:
+            seq.host_table = [self.host.take() for _ in seq.block_table]
+            mapping.extend(zip(seq.block_table, seq.host_table))
+            self._release(*self.reservations.pop(seq.seq_id))
+            seq.block_table = []
+        self.swapped_out_blocks += total
+        return mapping
+
+    def can_swap_in(self, seqs) -> bool:
+        return len(seqs) * self.slab_blocks <= self.num_free_blocks - self.watermark_blocks
+
+    def swap_in(self, seqs) -> list | None:
+        """A new slab per sequence and the host blocks copied back; None (nothing changed) when
+        the slabs do not fit."""
+        if not self.can_swap_in(seqs):
+            return None
+        starts = []
+        for _ in seqs:
+            index = self._find(self.slab_blocks)
+            if index is None:
+                for start in starts:
+                    self._release(start, self.slab_blocks)
+                return None
+            starts.append(self._reserve(index, self.slab_blocks))
+        mapping = []
+        for seq, start in zip(seqs, starts):
+            self.reservations[seq.seq_id] = (start, self.slab_blocks)
+            seq.block_table = list(range(start, start + len(seq.host_table)))
+            mapping.extend(zip(seq.host_table, seq.block_table))
+            for block in seq.host_table:
+                self.host.release(block)
+            seq.host_table = None
+        self.swapped_in_blocks += len(mapping)
+        return mapping
+
+    def check_integrity(self) -> None:
+        reserved = sum(n for _, n in self.reservations.values())
+        assert reserved == self._reserved, "reserved count"
+        free = sum(n for _, n in self.free_ranges)
+        assert free + reserved == self.num_blocks, "free + reserved != total"
+        spans = sorted(list(self.reservations.values()) + self.free_ranges)
+        for (s1, n1), (s2, _) in zip(spans, spans[1:]):
+            assert s1 + n1 <= s2, "overlapping ranges"
+        for seq in self.seqs.values():
+            res = self.reservations.get(seq.seq_id)
+            if seq.block_table:
+                assert res and seq.block_table[0] == res[0] and len(seq.block_table) <= res[1]
+        host_used = sum(len(s.host_table or ()) for s in self.seqs.values())
+        assert host_used + len(self.host.free) == self.host.num_blocks, "host blocks leaked"

@@ -1,0 +1,251 @@
+"""The paged KV cache manager: the one question the scheduler asks is "can these tokens have slots?".
+
+`allocate_slots` is all-or-nothing and changes nothing on failure. Prefix caching, copy-on-write
+for forked sequences, the admission watermark and swapping to a bounded host pool live here; who
+runs next does not (that is the scheduler's business).
+"""
+from __future__ import annotations
+
+from simkv.core.kv.block_pool import BlockPool
+from simkv.core.kv.hashing import extend_block_hashes
+from simkv.core.request import Sequence
+
+
+class HostPool:
+    """Host (CPU) swap space: block ids with reference counts (forked siblings share blocks)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))   # pop() hands out the lowest id first
+
+    def take(self) -> int:
+        block = self.free.pop()
+        self.ref_cnt[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
+            self.free.append(block)
+
+
+class PagedKVCacheManager:
+    """Blocks on demand, per-sequence block tables, prefix caching, CoW forks, swap."""
+
+    kind = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 watermark: float = 0.0, num_host_blocks: int = 0):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks)
+        self.host = HostPool(num_host_blocks)
+        self.copies: list = []          # (src, dst) copy-on-write copies for this step
+        self.seqs: dict = {}            # seq_id -> Sequence holding device or host blocks
+        # statistics
+        self.num_cow_copies = 0
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.pool.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.pool.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    def seq_slots(self, seq: Sequence) -> int:
+        """Token slots held for a sequence (its table's blocks times the block size)."""
+        return len(seq.block_table) * self.block_size
+
+    def blocks_needed(self, num_tokens: int, n: int = 1, prompt_tokens: int = 0) -> int:
+        """Blocks a request needs at its longest: n samples share the prompt's full blocks."""
+        per_seq = -(-num_tokens // self.block_size)
+        shared = prompt_tokens // self.block_size if n > 1 else 0
+        return per_seq + (n - 1) * (per_seq - shared)
+
+    def max_admissible_blocks(self) -> int:
+        return self.num_blocks - self.watermark_blocks
+
+    def prefix_lookup(self, seq: Sequence) -> tuple:
+        """Cached blocks for a sequence's leading full blocks: (blocks, tokens). Changes nothing.
+
+        A hit is whole blocks and leaves at least one token to compute (vLLM: the last token's
+        logits are needed).
+        """
+        if not self.enable_prefix_caching or seq.num_computed_tokens:
+            return (), 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(seq, max_blocks, self.block_size)
+        lookup = self.pool.cached.get
+        hits = []
+        for i in range(max_blocks):
+            block = lookup(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks=(),
+                       admission: bool = False) -> bool:
+        """Give `seq` slots for its cached blocks plus `num_new_tokens` more; all or nothing.
+
+        `cached_blocks` come from `prefix_lookup` (only on admission). With `admission`, the
+        watermark's blocks must stay free afterwards. Returns False and changes nothing when the
+        pool cannot serve the request.
+        """
+        bs = self.block_size
+        table = seq.block_table
+        num_cached = len(cached_blocks)
+        start = seq.num_computed_tokens + num_cached * bs
+        end = start + num_new_tokens
+        num_new_blocks = -(-end // bs) - len(table) - num_cached
+        if num_new_blocks < 0:
+            num_new_blocks = 0
+        pool = self.pool
+        # Appending into a shared partial tail needs a private copy first.
+        cow = bool(table) and start % bs != 0 and num_new_tokens > 0 \
+            and pool.ref_cnt[table[-1]] > 1
+        need = num_new_blocks + cow
+        if need or num_cached:
+            available = len(pool.free_queue)
+            if num_cached:
+                available -= pool.count_free_among(cached_blocks)
+            if admission:
+                available -= self.watermark_blocks
+            if need > available:
+                return False
+        if num_cached:
+            pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+            seq.num_cached_blocks = len(table)
+        if cow:
+            src = table[-1]
+            (dst,) = pool.take(1)
+            pool.release((src,))
+            table[-1] = dst
+            self.copies.append((src, dst))
+            self.num_cow_copies += 1
+        if num_new_blocks:
+            table.extend(pool.take(num_new_blocks))
+        self.seqs[seq.seq_id] = seq
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, end)
+        return True
+
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks that are full once `num_tokens` are computed."""
+        num_full = num_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        hashes = extend_block_hashes(seq, num_full, self.block_size)
+        table = seq.block_table
+        cache = self.pool.cache
+        for i in range(seq.num_cached_blocks, num_full):
+            cache(table[i], hashes[i])
+        seq.num_cached_blocks = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; nothing is allocated."""
+        child.block_table = list(parent.block_table)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.block_hashes = list(parent.block_hashes[:parent.num_cached_blocks])
+        self.pool.touch(child.block_table)
+        self.seqs[child.seq_id] = child
+
+    def free(self, seq: Sequence) -> None:
+        """Release everything a sequence holds, device and host; the tail is evicted first."""
+        if seq.block_table:
+            self.pool.release(reversed(seq.block_table))
+            seq.block_table = []
+        if seq.host_table:
+            for block in seq.host_table:
+                self.host.release(block)
+        seq.host_table = None
+        seq.num_cached_blocks = 0
+        self.seqs.pop(seq.seq_id, None)
+
+    def take_copies(self) -> list:
+        """The (src, dst) block copies recorded since the last call."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    # -- swap ---------------------------------------------------------------------------------
+    def swap_out(self, seqs) -> list | None:
+        """Move the sequences' blocks to host memory: (device, host) pairs, or None if it is full.
+
+        Blocks shared among the sequences (forks) move once. The device blocks are released (a
+        block still used by another request stays where it is).
+        """
+        distinct = dict.fromkeys(b for seq in seqs for b in seq.block_table)
+        if len(distinct) > len(self.host.free):
+            return None
+        mapping = {b: self.host.take() for b in distinct}
+        counts: dict = {}
+        for seq in seqs:
+            seq.host_table = [mapping[b] for b in seq.block_table]
+            for block in seq.host_table:
+                counts[block] = counts.get(block, 0) + 1
+        for block, count in counts.items():   # one reference per table that holds the block
+            self.host.ref_cnt[block] = count
+        for seq in seqs:
+            self.pool.release(reversed(seq.block_table))
+            seq.block_table = []
+            seq.num_cached_blocks = 0
+        self.swapped_out_blocks += len(mapping)
+        return list(mapping.items())
+
+    def can_swap_in(self, seqs) -> bool:
+        distinct = {b for seq in seqs for b in seq.host_table}
+        return len(distinct) <= len(self.pool.free_queue) - self.watermark_blocks
+
+    def swap_in(self, seqs) -> list | None:
+        """Bring swapped sequences back: (host, device) pairs, or None when blocks are short."""
+        if not self.can_swap_in(seqs):
+            return None
+        distinct = list(dict.fromkeys(b for seq in seqs for b in seq.host_table))
+        device = self.pool.take(len(distinct))
+        mapping = dict(zip(distinct, device))
+        counts: dict = {}
+        for seq in seqs:
+            seq.block_table = [mapping[b] for b in seq.host_table]
+            for block in seq.block_table:
+                counts[block] = counts.get(block, 0) + 1
+        for block, count in counts.items():
+            self.pool.ref_cnt[block] = count
+        for seq in seqs:
+            for block in seq.host_table:
+                self.host.release(block)
+            seq.host_table = None
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(seq, seq.num_computed_tokens)
+        self.swapped_in_blocks += len(distinct)
+        return list(mapping.items())
+
+    # -- integrity ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """free + in use == total; every refcount equals the tables holding the block; the hash
+        index is consistent; host refcounts match host tables. Raises AssertionError."""
+        self.pool.check()
+        holders = [0] * self.num_blocks
+        host_holders = [0] * self.host.num_blocks
+        for seq in self.seqs.values():
+            for block in seq.block_table:
+                holders[block] += 1
+            for block in seq.host_table or ():
+                host_holders[block] += 1
+        assert holders == self.pool.ref_cnt, "a refcount differs from the tables holding it"
+        assert host_holders == self.host.ref_cnt, "a host refcount differs from the host tables"
+        assert len(self.host.free) == sum(1 for r in self.host.ref_cnt if r == 0)
+        for seq in self.seqs.values():
+            assert not (seq.block_table and seq.host_table), "a sequence on device and host"

@@ -1,0 +1,224 @@
+"""Metrics: one recorder for the simulator and the real engine, one set of definitions.
+
+- TTFT = end of the step that computed a request's last prompt token − arrival.
+- TPOT = (e2e − TTFT) / (output_tokens − 1); ITL = gaps between consecutive tokens of a sequence.
+- KV utilisation and internal fragmentation are time-weighted over steps. Internal fragmentation
+  is the fraction of allocated (paged) or reserved (contiguous) token slots not holding a token.
+- Percentiles are over completed requests. Goodput counts completed requests meeting every SLO.
+"""
+from __future__ import annotations
+
+import math
+from array import array
+
+import numpy as np
+import pandas as pd
+
+from simkv.core.request import RequestStatus
+
+STEP_COLUMNS = ["step", "start_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
+                "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "preempted"]
+REQUEST_COLUMNS = ["request_id", "arrival_s", "prompt_tokens", "output_tokens", "cached_tokens",
+                   "recomputed_tokens", "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s",
+                   "preemptions", "status"]
+LATENCY_KEYS = ["ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s"]
+_STATUS = {RequestStatus.COMPLETED: "completed", RequestStatus.CANCELLED: "cancelled",
+           RequestStatus.REJECTED: "rejected"}
+
+
+class MetricsRecorder:
+    """Collects per-step rows (columnar, cheap to append) and time-weighted KV signals."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.cols = {name: array("d") for name in STEP_COLUMNS}
+        self._append = [self.cols[name].append for name in STEP_COLUMNS]
+        self.busy_s = 0.0
+        self.used_block_s = 0.0         # sum of used blocks × step duration
+        self.frag_s = 0.0               # sum of fragmentation fraction × step duration
+        self.running_seq_s = 0.0
+        self.used_peak = 0
+        self.running_peak = 0
+        self.waiting_peak = 0
+        self.blocks_per_seq_hist = [0] * 64
+        self.num_steps = 0
+
+    def record_step(self, plan, start_s: float, duration_s: float, scheduler) -> None:
+        """Record one executed step (after `finish_step`), with the state it left behind."""
+        kv = scheduler.kv
+        used = kv.num_used_blocks
+        slot_waste = 0
+        running = 0
+        hist = self.blocks_per_seq_hist
+        seq_slots = kv.seq_slots
+        for req in scheduler.running:
+            for seq in req.seqs:
+                running += 1
+                slots = seq_slots(seq)
+                slot_waste += slots - seq.num_computed_tokens
+                nb = len(seq.block_table)
+                if nb >= len(hist):
+                    hist.extend([0] * (nb + 1 - len(hist)))
+                hist[nb] += 1
+        self.num_steps += 1
+        waiting = plan.num_waiting
+        a = self._append
+        a[0](self.num_steps)
+        a[1](start_s)
+        a[2](duration_s)
+        a[3](plan.num_prefill_tokens)
+        a[4](plan.num_decode_tokens)
+        a[5](running)
+        a[6](waiting)
+        a[7](used)
+        a[8](self.num_blocks - used)
+        a[9](len(plan.preempted))
+        self.busy_s += duration_s
+        self.used_block_s += used * duration_s
+        if used:
+            self.frag_s += duration_s * slot_waste / (used * self.block_size)
+        self.running_seq_s += running * duration_s
+        if used > self.used_peak:
+            self.used_peak = used
+        if running > self.running_peak:
+            self.running_peak = running
+        if waiting > self.waiting_peak:
+            self.waiting_peak = waiting
+
+    def steps_frame(self) -> pd.DataFrame:
+        df = pd.DataFrame({name: np.frombuffer(col, dtype=np.float64) if len(col) else
+                           np.zeros(0) for name, col in self.cols.items()})
+        for name in STEP_COLUMNS:
+            if name not in ("start_s", "duration_s"):
+                df[name] = df[name].astype(np.int64)
+        return df
+
+
+def requests_frame(requests) -> pd.DataFrame:
+    """One row per request (completed, cancelled or rejected), ordered by request id."""
+    rows = []
+    nan = math.nan
+    for r in requests:
+        completed = r.status == RequestStatus.COMPLETED
+        ttft = r.first_token_s - r.arrival_s if completed else nan
+        e2e = r.finish_s - r.arrival_s if completed else nan
+        tpot = (e2e - ttft) / (r.output_tokens - 1) if completed and r.output_tokens > 1 else nan
+        rows.append((r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens,
+                     r.recomputed_tokens, r.first_token_s, r.finish_s, ttft, tpot, e2e,
+                     r.num_preemptions, _STATUS.get(r.status, "unfinished"),
+                     r.admitted_s - r.arrival_s))
+    df = pd.DataFrame(rows, columns=REQUEST_COLUMNS + ["queue_s"])
+    return df.sort_values("request_id", kind="stable").reset_index(drop=True)
+
+
+def _family(values) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90),
+            "p99": float(p99)}
+
+
+def _hist_family(hist: list) -> dict:
+    counts = np.asarray(hist, dtype=np.float64)
+    total = counts.sum()
+    if not total:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    values = np.arange(len(counts))
+    cdf = np.cumsum(counts) / total
+    pick = [int(values[np.searchsorted(cdf, q)]) for q in (0.5, 0.9, 0.99)]
+    return {"mean": float((values * counts).sum() / total), "p50": pick[0], "p90": pick[1],
+            "p99": pick[2]}
+
+
+def slo_met(df: pd.DataFrame, slo: dict, itl_by_request=None) -> np.ndarray:
+    """Per completed request: does it meet every per-request SLO (`ttft_s`, `tpot_s`, `e2e_s`,
+    `queue_s` bounds; percentile SLOs are checked on the summary instead)."""
+    ok = np.ones(len(df), dtype=bool)
+    for key, bound in slo.items():
+        if key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
+            values = df[key].to_numpy()
+            ok &= ~(values > bound)      # NaN TPOT (one output token) passes
+    return ok
+
+
+def slo_percentile_failures(summary: dict, slo: dict) -> list:
+    """Percentile/mean SLOs (`ttft_p90_s`, `tpot_mean_s`, ...) violated by a summary."""
+    failures = []
+    for key, bound in slo.items():
+        parts = key.split("_")
+        if len(parts) == 3 and parts[2] == "s" and (parts[1].startswith("p") or
+                                                    parts[1] == "mean"):
+            family = summary.get(f"{parts[0]}_s") or {}
+            value = family.get(parts[1])
+            if value is not None and value > bound:
+                failures.append((key, bound, value))
+    return failures
+
+
+def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, sim_duration_s: float,
+              wall_time_s: float, slo: dict, cost_model: str, block_size: int) -> dict:
+    """The scalars and latency families of summary.json (INTERFACE.md)."""
+    kv = scheduler.kv
+    completed = requests[requests["status"] == "completed"]
+    total_prompt_queried = sum(r.queried_tokens for r in scheduler.done)
+    total_cached = sum(r.cached_tokens for r in scheduler.done)
+    duration = sim_duration_s if sim_duration_s > 0 else math.nan
+    busy = recorder.busy_s if recorder.busy_s > 0 else math.nan
+    summary = {
+        "requests_total": int(len(requests)),
+        "requests_completed": int(len(completed)),
+        "requests_cancelled": int((requests["status"] == "cancelled").sum()),
+        "requests_rejected": int((requests["status"] == "rejected").sum()),
+        "sim_duration_s": float(sim_duration_s),
+        "wall_time_s": float(wall_time_s),
+        "throughput_requests_per_s": len(completed) / duration,
+        "throughput_output_tokens_per_s": float(
+            (completed["output_tokens"] * _samples(scheduler, completed)).sum()) / duration,
+        "ttft_s": _family(completed["ttft_s"]),
+        "tpot_s": _family(completed["tpot_s"]),
+        "itl_s": _family(np.frombuffer(scheduler.itl_s, dtype=np.float64)
+                         if len(scheduler.itl_s) else []),
+        "e2e_s": _family(completed["e2e_s"]),
+        "queue_s": _family(completed["queue_s"]),
+    }
+    if slo:
+        met = slo_met(completed, slo)
+        summary["goodput_requests_per_s"] = float(met.sum()) / duration
+    summary.update({
+        "num_blocks": int(kv.num_blocks),
+        "block_size": int(block_size),
+        "num_steps": int(recorder.num_steps),
+        "kv_utilization_mean": recorder.used_block_s / (busy * kv.num_blocks),
+        "kv_utilization_peak": recorder.used_peak / kv.num_blocks,
+        "internal_fragmentation_mean": recorder.frag_s / busy,
+        "blocks_per_seq": _hist_family(recorder.blocks_per_seq_hist),
+        "running_mean": recorder.running_seq_s / busy,
+        "running_peak": int(recorder.running_peak),
+        "waiting_peak": int(recorder.waiting_peak),
+        "preemptions": int(scheduler.num_preemptions),
+        "preemptions_per_s": scheduler.num_preemptions / duration,
+        "swap_fallbacks": int(scheduler.num_swap_fallbacks),
+        "prefix_cache_hit_ratio": (total_cached / total_prompt_queried
+                                   if total_prompt_queried else 0.0),
+        "cached_tokens": int(total_cached),
+        "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
+        "cow_copies": int(kv.num_cow_copies),
+        "swapped_out_blocks": int(kv.swapped_out_blocks),
+        "swapped_in_blocks": int(kv.swapped_in_blocks),
+        "leaked_blocks": int(kv.num_used_blocks),
+        "cost_model": cost_model,
+    })
+    if hasattr(kv, "external_fragmentation"):
+        summary["external_fragmentation_end"] = kv.external_fragmentation()
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in summary.items()}
+
+
+def _samples(scheduler, completed: pd.DataFrame) -> np.ndarray:
+    """Samples per completed request (n), aligned with `completed`."""
+    n_by_id = {r.request_id: r.n for r in scheduler.done}
+    return completed["request_id"].map(n_by_id).to_numpy()

@@ -1,0 +1,358 @@
+"""Iteration-level (continuous batching) scheduler, shared by the simulator and the real engine.
+
+`schedule(now)` decides what one step computes and returns a StepPlan; `finish_step(plan, outputs,
+now)` applies its results. Running requests are served first (decodes and unfinished chunked
+prefills), then swapped requests are resumed, then waiting ones are admitted first come, first
+served. Whether tokens fit in memory is the KV manager's answer; who runs is decided here.
+"""
+from __future__ import annotations
+
+import math
+from array import array
+from collections import deque
+
+from simkv.core.kv.hashing import hash_root
+from simkv.core.plan import ScheduledSeq, StepPlan
+from simkv.core.request import Request, RequestStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, kv, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 max_model_len: int = 32768, preemption_mode: str = "recompute",
+                 preemption_policy: str = "recent", global_prefix_scope: bool = False):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.preemption_policy = preemption_policy
+        self.global_prefix_scope = global_prefix_scope
+
+        self.waiting: deque = deque()     # Request, FCFS; recompute-preempted ones at the front
+        self.swapped: deque = deque()     # Request, resumed before new admissions
+        self.running: list = []           # Request, in admission order
+        self.requests: dict = {}          # request_id -> live Request
+        self.done: list = []              # final requests (completed, cancelled, rejected)
+        self.num_running_seqs = 0
+        self.step_id = 0
+        self.itl_s = array("d")           # gaps between consecutive tokens of a sequence
+        self.num_preemptions = 0
+        self.num_swap_fallbacks = 0       # swap preemptions that fell back to recompute
+        self._next_seq_id = 0
+        self._cancel_ids: list = []
+        self._rejected: list = []
+
+    # -- requests in and out ------------------------------------------------------------------
+    def add_request(self, req: Request, now: float = 0.0) -> None:
+        """Queue a request, or reject it now if it can never be served (the reason is kept)."""
+        req.hash_root = hash_root(req, self.global_prefix_scope)
+        reason = self._why_unservable(req)
+        if reason:
+            req.status = RequestStatus.REJECTED
+            req.reason = reason
+            req.finish_s = now
+            self._rejected.append(req)
+            self.done.append(req)
+            return
+        seq = self._new_seq(req, 0, req.prompt_tokens)
+        if req.prompt_token_ids is not None:
+            seq.token_ids = list(req.prompt_token_ids)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _why_unservable(self, req: Request) -> str:
+        if req.max_tokens > self.max_model_len:
+            return (f"prompt {req.prompt_tokens} + output {req.output_tokens} tokens exceed "
+                    f"max_model_len {self.max_model_len}")
+        if not self.enable_chunked_prefill and req.max_tokens > self.max_num_batched_tokens:
+            return (f"{req.max_tokens} tokens cannot be prefilled in one step of "
+                    f"{self.max_num_batched_tokens} tokens with chunked prefill off")
+        need = self.kv.blocks_needed(req.max_tokens, req.n, req.prompt_tokens)
+        if need > self.kv.max_admissible_blocks():
+            return (f"needs {need} KV blocks; the pool admits at most "
+                    f"{self.kv.max_admissible_blocks()}")
+        if req.n > self.max_num_seqs:
+            return f"n={req.n} exceeds max_num_seqs {self.max_num_seqs}"
+        return ""
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request; its resources are freed at the next step boundary."""
+        self._cancel_ids.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._cancel_ids) or bool(self._rejected)
+
+    def _new_seq(self, req: Request, sample: int, num_tokens: int) -> Sequence:
+        seq = Sequence(self._next_seq_id, req, sample, num_tokens)
+        self._next_seq_id += 1
+        req.seqs.append(seq)
+        req.all_seqs.append(seq)
+        return seq
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        """Decide the next step. An empty plan means there is nothing to run now."""
+        self.step_id += 1
+        plan = StepPlan(self.step_id, now)
+        if self._cancel_ids:
+            self._apply_cancels(plan, now)
+        if self._rejected:
+            plan.rejected = [r.request_id for r in self._rejected]
+            self._rejected = []
+        kv = self.kv
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        chunking = self.enable_chunked_prefill
+        scheduled = plan.scheduled
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            items = []
+            for seq in req.seqs:
+                num_new = seq.num_tokens - seq.num_computed_tokens
+                if num_new == 0:      # a child waiting for its sibling's prefill
+                    continue
+                if num_new > 1:
+                    if threshold and num_new > threshold:
+                        num_new = threshold
+                    if num_new > budget:
+                        if not chunking:
+                            continue
+                        num_new = budget
+                if budget <= 0:
+                    break
+                while not kv.allocate_slots(seq, num_new):
+                    victim, index = self._preempt(plan)
+                    if victim is req:
+                        items = None
+                        break
+                    if index < i:          # priority policy: a request already served this step
+                        i -= 1
+                        budget += self._unschedule(plan, victim)
+                if items is None:
+                    break
+                items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new,
+                                          num_new == 1 and seq.num_computed_tokens
+                                          >= req.prompt_tokens))
+                budget -= num_new
+            if items is None:       # the request preempted itself; running shrank under us
+                continue
+            scheduled.extend(items)
+            i += 1
+
+        if not plan.preempted:
+            budget = self._resume_swapped(plan, budget)
+            if not self.swapped:
+                self._admit_waiting(plan, now, budget)
+
+        self._finalise(plan)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, now: float, budget: int) -> None:
+        kv = self.kv
+        threshold = self.long_prefill_token_threshold
+        waiting = self.waiting
+        while waiting and budget > 0:
+            req = waiting[0]
+            if self.num_running_seqs + max(req.n, len(req.seqs)) > self.max_num_seqs:
+                break
+            items = []
+            admitted = []
+            for seq in req.seqs:
+                cached_blocks, cached_tokens = kv.prefix_lookup(seq)
+                num_new = seq.num_tokens - seq.num_computed_tokens - cached_tokens
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if not kv.allocate_slots(seq, num_new, cached_blocks, admission=True):
+                    break
+                admitted.append((seq, cached_tokens))
+                seq.num_computed_tokens += cached_tokens
+                if num_new:
+                    items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, False))
+                budget -= num_new
+            if len(admitted) < len(req.seqs):       # all of a request's sequences, or none
+                for seq, cached_tokens in admitted:
+                    seq.num_computed_tokens -= cached_tokens
+                    kv.free(seq)
+                break
+            waiting.popleft()
+            for seq, cached_tokens in admitted:
+                req.cached_tokens += cached_tokens
+                req.queried_tokens += seq.num_tokens
+            if req.lost_tokens:
+                req.recomputed_tokens += max(0, req.lost_tokens - sum(c for _, c in admitted))
+                req.lost_tokens = 0
+            if math.isnan(req.admitted_s):
+                req.admitted_s = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.num_running_seqs += len(req.seqs)
+            plan.scheduled.extend(items)
+
+    def _resume_swapped(self, plan: StepPlan, budget: int) -> int:
+        swapped = self.swapped
+        while swapped:
+            req = swapped[0]
+            if self.num_running_seqs + len(req.seqs) > self.max_num_seqs:
+                break
+            mapping = self.kv.swap_in(req.seqs)
+            if mapping is None:
+                break
+            swapped.popleft()
+            plan.swap_in.extend(mapping)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.num_running_seqs += len(req.seqs)
+        return budget
+
+    def _preempt(self, plan: StepPlan) -> tuple:
+        """Take a victim off the running list: swap it out, or free it to be recomputed.
+        Returns the victim and the index it had in the running list."""
+        running = self.running
+        if self.preemption_policy == "priority":
+            victim = max(running, key=lambda r: (r.priority, r.arrival_s, r.request_id))
+            index = running.index(victim)
+        else:
+            victim, index = running[-1], len(running) - 1
+        del running[index]
+        self.num_running_seqs -= len(victim.seqs)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.append(victim.request_id)
+        if self.preemption_mode == "swap":
+            mapping = self.kv.swap_out(victim.seqs)
+            if mapping is not None:
+                plan.swap_out.extend(mapping)
+                victim.status = RequestStatus.SWAPPED
+                self.swapped.append(victim)
+                return victim, index
+            self.num_swap_fallbacks += 1
+        for seq in victim.seqs:
+            self.kv.free(seq)
+            victim.lost_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        return victim, index
+
+    @staticmethod
+    def _unschedule(plan: StepPlan, victim: Request) -> int:
+        """Drop a preempted request's work from this step's plan; returns the tokens freed."""
+        kept, freed = [], 0
+        for item in plan.scheduled:
+            if item.seq.request is victim:
+                freed += item.num_tokens
+            else:
+                kept.append(item)
+        plan.scheduled[:] = kept
+        return freed
+
+    def _apply_cancels(self, plan: StepPlan, now: float) -> None:
+        for request_id in self._cancel_ids:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue              # already finished, rejected or unknown
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.num_running_seqs -= len(req.seqs)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            else:
+                self.waiting.remove(req)
+            for seq in req.seqs:
+                self.kv.free(seq)
+            req.status = RequestStatus.CANCELLED
+            req.finish_s = now
+            plan.cancelled.append(request_id)
+            self.done.append(req)
+        self._cancel_ids = []
+
+    def _finalise(self, plan: StepPlan) -> None:
+        """Cost-model features, block copies and the state snapshot."""
+        prefill_tokens = decode_tokens = prefill_seqs = 0
+        decode_ctx = prefill_ctx = pairs = 0
+        for item in plan.scheduled:
+            n = item.num_tokens
+            if item.is_decode:
+                decode_tokens += 1
+                decode_ctx += item.start + 1
+            else:
+                prefill_seqs += 1
+                prefill_tokens += n
+                prefill_ctx += item.start + n
+                pairs += n * item.start + n * (n + 1) // 2
+        plan.num_prefill_tokens = prefill_tokens
+        plan.num_decode_tokens = decode_tokens
+        plan.num_prefill_seqs = prefill_seqs
+        plan.decode_context_tokens = decode_ctx
+        plan.prefill_context_tokens = prefill_ctx
+        plan.prefill_attention_pairs = pairs
+        if self.kv.copies:
+            plan.block_copies = self.kv.take_copies()
+        plan.num_running = len(self.running)
+        plan.num_waiting = len(self.waiting) + len(self.swapped)
+        plan.kv_blocks_used = self.kv.num_used_blocks
+        plan.kv_blocks_free = self.kv.num_free_blocks
+
+    # -- after the step -----------------------------------------------------------------------
+    def finish_step(self, plan: StepPlan, outputs: dict | None = None, now: float = 0.0) -> None:
+        """Apply a step's results at its end time `now`: computed tokens, sampled tokens (the
+        real engine passes seq_id -> token id; the simulator passes None), forks, finishes."""
+        itl = self.itl_s
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue                      # a prefill chunk: no token yet
+            req = seq.request
+            if outputs is not None:
+                seq.token_ids.append(outputs[seq.seq_id])
+            seq.num_tokens += 1
+            seq.num_output_tokens += 1
+            if seq.num_output_tokens == 1 and req.first_token_s != req.first_token_s:
+                req.first_token_s = now       # first token of the request (NaN check)
+            elif seq.num_output_tokens > 1:
+                itl.append(now - seq.last_token_s)
+            seq.last_token_s = now
+            if req.n > 1 and len(req.all_seqs) == 1:
+                self._fork(plan, req, seq)
+            if seq.num_output_tokens >= req.output_tokens:
+                self._finish_seqs(req, now)
+
+    def _fork(self, plan: StepPlan, req: Request, parent: Sequence) -> None:
+        """The prompt is done: n sampling sequences share its blocks (copy-on-write later)."""
+        for sample in range(1, req.n):
+            child = self._new_seq(req, sample, parent.num_tokens)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_output_tokens = parent.num_output_tokens
+            child.last_token_s = parent.last_token_s
+            if parent.token_ids is not None:
+                child.token_ids = list(parent.token_ids)
+            self.kv.fork(parent, child)
+            plan.forked.append((parent.seq_id, child.seq_id))
+        self.num_running_seqs += req.n - 1
+
+    def _finish_seqs(self, req: Request, now: float) -> None:
+        for seq in list(req.seqs):
+            if seq.num_output_tokens >= req.output_tokens:
+                self.kv.free(seq)
+                seq.finished = True
+                seq.block_hashes = []
+                req.seqs.remove(seq)
+                self.num_running_seqs -= 1
+        if not req.seqs:
+            req.status = RequestStatus.COMPLETED
+            req.finish_s = now
+            self.running.remove(req)
+            del self.requests[req.request_id]
+            self.done.append(req)

@@ -1,0 +1,37 @@
+"""Step-cost models: `predict(plan) -> seconds`. Roofline (from specs) and profiled (fitted)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from simkv.errors import InputError
+
+
+def load_cost_model(scenario):
+    """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json."""
+    from simkv.costmodel.roofline import RooflineCostModel
+    choice = scenario.cost_model
+    cache = scenario.cache
+    if choice in ("auto", "profile") or (choice not in ("roofline",) and Path(choice).suffix):
+        try:
+            from simkv.costmodel.profiled import find_profile, ProfiledCostModel
+        except ImportError:   # no profiled model in this build
+            find_profile = None
+        path = None
+        if choice not in ("auto", "profile"):
+            path = Path(choice)
+            if not path.exists():
+                raise InputError(f"cost_model: {path} does not exist (auto, profile, roofline "
+                                 "or a path to a fit.json)")
+        elif find_profile is not None:
+            path = find_profile(scenario.gpu.name, scenario.model.name)
+        if path is not None and find_profile is not None:
+            return ProfiledCostModel.load(path, block_size=cache.block_size,
+                                          kv_dtype=cache.kv_dtype, model=scenario.model,
+                                          gpu=scenario.gpu)
+        if choice == "profile":
+            raise InputError(f"cost_model: profile: no profile for gpu {scenario.gpu.name} and "
+                             f"model {scenario.model.name} (use auto or roofline)")
+    elif choice != "roofline":
+        raise InputError(f"cost_model: unknown value {choice!r} (auto, profile, roofline, or a "
+                         "path to a fit.json)")
+    return RooflineCostModel(scenario.model, scenario.gpu, cache.kv_dtype, cache.block_size)

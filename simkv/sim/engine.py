@@ -1,0 +1,185 @@
+"""The SimPy simulator: the shared scheduler and KV manager, timed by a cost model.
+
+    while work remains:
+        plan = scheduler.schedule(env.now)
+        yield env.timeout(cost_model.predict(plan))
+        scheduler.finish_step(plan, None, env.now)
+
+Arrivals and cancellations are SimPy events on the same clock; an idle engine sleeps until the
+next arrival.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import simpy
+
+from simkv.core.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.core.request import Request
+from simkv.core.results import write_results
+from simkv.sim.setup import build_cost_model, build_scheduler, load_requests_frame
+
+
+@dataclass
+class SimResult:
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    scenario: object = None
+    extra: dict = field(default_factory=dict)
+
+    def write(self, out_dir) -> Path:
+        """Write summary.json, requests.csv and steps.csv (atomically) under `out_dir`."""
+        return write_results(out_dir, self.summary, self.requests, self.steps)
+
+
+def requests_from_frame(df: pd.DataFrame) -> list:
+    """Canonical trace frame -> Request objects (arrival order)."""
+    out = []
+    cols = [df[c].tolist() for c in ("request_id", "arrival_s", "prompt_tokens", "output_tokens",
+                                     "n", "prefix_ids", "prefix_block_tokens", "tenant",
+                                     "adapter", "cancel_after_s")]
+    for rid, arr, p, o, n, pid, pbt, tenant, adapter, cancel in zip(*cols):
+        out.append(Request(int(rid), float(arr), int(p), int(o), n=int(n),
+                           prefix_ids=pid if isinstance(pid, tuple) else None,
+                           prefix_block_tokens=int(pbt), tenant=tenant or "",
+                           adapter=adapter or "", cancel_after_s=float(cancel)))
+    return out
+
+
+class Simulation:
+    """One simulation run; `run()` returns a SimResult."""
+
+    def __init__(self, scenario, trace_df: pd.DataFrame | None = None,
+                 check_integrity: bool = False, progress: bool = False):
+        self.scenario = scenario
+        self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
+        self.scheduler, self.sizing = build_scheduler(scenario)
+        self.cost_model = build_cost_model(scenario)
+        self.recorder = MetricsRecorder(self.scheduler.kv.num_blocks,
+                                        scenario.cache.block_size)
+        self.check_integrity = check_integrity
+        self.progress = progress
+        self.env = simpy.Environment()
+        self._wake = None
+        self._arrivals_done = False
+
+    def _arrivals(self, requests):
+        env = self.env
+        scheduler = self.scheduler
+        for req in requests:
+            delay = req.arrival_s - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            scheduler.add_request(req, env.now)
+            if not math.isnan(req.cancel_after_s):
+                ev = env.timeout(req.cancel_after_s)
+                ev.callbacks.append(lambda _ev, rid=req.request_id: self._cancel(rid))
+            if self._wake is not None and not self._wake.triggered:
+                self._wake.succeed()
+        self._arrivals_done = True
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _cancel(self, request_id: int) -> None:
+        self.scheduler.cancel(request_id)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _engine(self, on_progress):
+        env = self.env
+        scheduler = self.scheduler
+        predict = self.cost_model.predict
+        record = self.recorder.record_step
+        check = self.check_integrity
+        kv = scheduler.kv
+        steps = 0
+        while True:
+            plan = scheduler.schedule(env.now)
+            if plan.is_empty:
+                if not scheduler.has_unfinished() and self._arrivals_done:
+                    return
+                if not scheduler.requests or not (scheduler.waiting or scheduler.running
+                                                  or scheduler.swapped):
+                    self._wake = env.event()
+                    yield self._wake
+                    self._wake = None
+                    continue
+                raise RuntimeError(f"step {plan.step}: requests wait but nothing can run")
+            start = env.now
+            duration = predict(plan)
+            yield env.timeout(duration)
+            scheduler.finish_step(plan, None, env.now)
+            record(plan, start, duration, scheduler)
+            if check:
+                kv.check_integrity()
+            steps += 1
+            if on_progress is not None and steps % 4096 == 0:
+                on_progress(env.now)
+
+    def run(self) -> SimResult:
+        wall_start = time.perf_counter()
+        requests = requests_from_frame(self.frame)
+        horizon = requests[-1].arrival_s if requests else 0.0
+        self.env.process(self._arrivals(requests))
+        progress_ctx = _progress_bar(self.progress, horizon, self.scenario.name)
+        with progress_ctx as on_progress:
+            self.env.process(self._engine(on_progress))
+            self.env.run()
+        sim_duration = self.env.now
+        req_df = requests_frame(self.scheduler.done)
+        steps_df = self.recorder.steps_frame()
+        summary = summarize(self.recorder, self.scheduler, req_df,
+                            sim_duration_s=sim_duration,
+                            wall_time_s=time.perf_counter() - wall_start,
+                            slo=self.scenario.slo, cost_model=self.cost_model.name,
+                            block_size=self.scenario.cache.block_size)
+        summary["wall_time_s"] = time.perf_counter() - wall_start
+        extra = {"sizing": self.sizing.to_dict() if hasattr(self.sizing, "to_dict") else {},
+                 "dropped": dict(self.frame.attrs.get("dropped", {})),
+                 "warnings": list(self.frame.attrs.get("warnings", [])),
+                 "rejected_reasons": {r.request_id: r.reason for r in self.scheduler.done
+                                      if r.reason}}
+        if getattr(self.cost_model, "is_estimate", False):
+            summary["cost_model_note"] = getattr(self.cost_model, "note", "estimate from specs")
+        return SimResult(summary, req_df.drop(columns=["queue_s"]), steps_df, self.scenario, extra)
+
+
+class _NoProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _RichProgress:
+    def __init__(self, horizon_s: float, label: str):
+        from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn)
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                 TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
+                                 TimeElapsedColumn(), transient=True)
+        self.horizon = max(horizon_s, 1e-9)
+        self.label = label
+
+    def __enter__(self):
+        self.progress.__enter__()
+        task = self.progress.add_task(self.label, total=self.horizon)
+        return lambda now: self.progress.update(task, completed=min(now, self.horizon))
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+
+def _progress_bar(enabled: bool, horizon_s: float, label: str):
+    return _RichProgress(horizon_s, label) if enabled else _NoProgress()
+
+
+def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity: bool = False,
+             progress: bool = False) -> SimResult:
+    """Simulate a scenario; returns summary (dict), requests and steps (DataFrames)."""
+    return Simulation(scenario, trace_df, check_integrity, progress).run()

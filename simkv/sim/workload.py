@@ -1,0 +1,255 @@
+"""Synthetic workloads: seeded generators that produce the canonical trace frame.
+
+A spec is the scenario's `workload.synthetic` mapping:
+
+    num_requests: 1000            # or duration_s: 600 (arrivals in [0, duration_s))
+    arrival: {process: poisson, rate: 10}   # poisson | gamma (+ cv; cv > 1 bursty) | fixed
+    prompt_tokens: {dist: lognormal, mean: 1000, sigma: 1.0, max: 8192}
+    output_tokens: {dist: fixed, value: 200}       # or a bare integer
+    shared_prefix: {num_groups: 4, prefix_tokens: 500, fraction: 0.5, block_tokens: 16}
+    n: 1                                           # or a length distribution
+    cancel_fraction: 0.1                           # cancel_after_s ~ uniform [0, cancel_max_s]
+    cancel_max_s: 5.0
+    tenants: 3                                     # "t0".."t2", uniformly
+
+Length distributions: `{dist: fixed, value}`, `{dist: uniform, min, max}` (inclusive),
+`{dist: lognormal, mean, sigma, min?, max?}` (mean of the distribution, not its median; sigma in
+log space; rounded and clipped to [min (default 1), max]), `{dist: empirical, trace, column?,
+format?}` (resampled with replacement from a trace, the path relative to `base_dir`).
+
+Each feature draws from its own stream spawned from `numpy.random.default_rng(seed)`, so turning
+on cancellations, say, leaves the arrivals and lengths of the same seed unchanged.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from simkv.core.traces import FORMATS, build_trace, load_trace
+from simkv.errors import InputError
+
+WHERE = "workload.synthetic"
+SPEC_KEYS = ["num_requests", "duration_s", "arrival", "prompt_tokens", "output_tokens",
+             "shared_prefix", "n", "cancel_fraction", "cancel_max_s", "tenants"]
+DIST_KEYS = {"fixed": ["value"], "uniform": ["min", "max"],
+             "lognormal": ["mean", "sigma", "min", "max"],
+             "empirical": ["trace", "column", "format"]}
+ARRIVAL_KEYS = {"poisson": ["rate"], "gamma": ["rate", "cv"], "fixed": ["rate"]}
+SHARED_PREFIX_KEYS = ["num_groups", "prefix_tokens", "fraction", "block_tokens"]
+_MISSING = object()
+
+
+def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> pd.DataFrame:
+    """Generate a synthetic workload as the canonical trace frame (see `simkv.core.traces`).
+
+    Arrivals are in seconds from the first request (at 0.0), lengths in tokens. Requests with a
+    shared system prompt carry chained `prefix_ids` at `block_tokens` granularity; the others
+    have none. Same spec and seed give an identical frame. Raises InputError naming
+    `workload.synthetic.<key>` for any bad key or value.
+    """
+    if not isinstance(spec, dict):
+        raise InputError(f"{WHERE} must be a mapping with keys {', '.join(SPEC_KEYS)}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be an integer >= 0, got {seed!r}")
+    _check_keys(spec, SPEC_KEYS, WHERE)
+    base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
+    arrival_rng, prompt_rng, output_rng, prefix_rng, n_rng, cancel_rng, tenant_rng = \
+        np.random.default_rng(seed).spawn(7)
+
+    arrival_s = _arrivals(spec, arrival_rng)
+    count = len(arrival_s)
+    columns = {
+        "arrival_s": arrival_s,
+        "prompt_tokens": _lengths(_get(spec, "prompt_tokens", WHERE), count, prompt_rng,
+                                  f"{WHERE}.prompt_tokens", base_dir),
+        "output_tokens": _lengths(_get(spec, "output_tokens", WHERE), count, output_rng,
+                                  f"{WHERE}.output_tokens", base_dir),
+    }
+    if spec.get("shared_prefix") is not None:
+        columns.update(_shared_prefix(spec["shared_prefix"], columns["prompt_tokens"],
+                                      prefix_rng))
+    if spec.get("n") is not None:
+        columns["n"] = _lengths(spec["n"], count, n_rng, f"{WHERE}.n", base_dir)
+    fraction = _number(spec, "cancel_fraction", WHERE, default=0.0, maximum=1.0)
+    max_s = _number(spec, "cancel_max_s", WHERE, default=5.0, positive=True)
+    if fraction > 0:
+        cancel_after_s = np.full(count, np.nan)
+        chosen = _choose(cancel_rng, count, fraction)
+        cancel_after_s[chosen] = cancel_rng.uniform(0.0, max_s, len(chosen))
+        columns["cancel_after_s"] = cancel_after_s
+    if spec.get("tenants") is not None:
+        tenants = _integer(spec, "tenants", WHERE)
+        columns["tenant"] = np.char.add("t", tenant_rng.integers(0, tenants, count).astype(str))
+    return build_trace(columns, source=f"synthetic (seed {seed})", format="synthetic")
+
+
+def _arrivals(spec: dict, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times in seconds, the first at 0.0."""
+    if (spec.get("num_requests") is None) == (spec.get("duration_s") is None):
+        raise InputError(f"{WHERE}: give exactly one of num_requests or duration_s")
+    where = f"{WHERE}.arrival"
+    arrival = _get(spec, "arrival", WHERE)
+    if not isinstance(arrival, dict):
+        raise InputError(f"{where} must be a mapping like {{process: poisson, rate: 10}}")
+    process = arrival.get("process", "poisson")
+    if process not in ARRIVAL_KEYS:
+        raise InputError(f"{where}.process must be one of {', '.join(ARRIVAL_KEYS)}, "
+                         f"got {process!r}")
+    _check_keys(arrival, ["process"] + ARRIVAL_KEYS[process], where)
+    rate = _number(arrival, "rate", where, positive=True)
+    if process == "poisson":
+        def gaps(k): return rng.exponential(1.0 / rate, k)
+    elif process == "gamma":
+        # shape 1/cv^2 and mean 1/rate give inter-arrival times with exactly that CV
+        shape = 1.0 / _number(arrival, "cv", where, positive=True) ** 2
+        def gaps(k): return rng.gamma(shape, 1.0 / (rate * shape), k)
+    else:
+        def gaps(k): return np.full(k, 1.0 / rate)
+
+    if spec.get("num_requests") is not None:
+        count = _integer(spec, "num_requests", WHERE)
+        return np.concatenate([[0.0], np.cumsum(gaps(count - 1))])
+    duration_s = _number(spec, "duration_s", WHERE, positive=True)
+    chunk = int(rate * duration_s) + 16
+    drawn = gaps(chunk)
+    while drawn.sum() < duration_s:
+        drawn = np.concatenate([drawn, gaps(chunk)])
+    arrival_s = np.concatenate([[0.0], np.cumsum(drawn)])
+    return arrival_s[arrival_s < duration_s]
+
+
+def _lengths(dist, count: int, rng: np.random.Generator, where: str,
+             base_dir: Path) -> np.ndarray:
+    """Draw `count` integers >= 1 from a length distribution spec (or a bare integer)."""
+    if not isinstance(dist, dict):
+        if isinstance(dist, bool) or not isinstance(dist, (int, np.integer)) or dist < 1:
+            raise InputError(f"{where} must be an integer >= 1 or a mapping like "
+                             f"{{dist: fixed, value: 200}}, got {dist!r}")
+        return np.full(count, int(dist), dtype=np.int64)
+    kind = dist.get("dist")
+    if kind not in DIST_KEYS:
+        raise InputError(f"{where}.dist must be one of {', '.join(DIST_KEYS)}, got {kind!r}")
+    _check_keys(dist, ["dist"] + DIST_KEYS[kind], where)
+    if kind == "fixed":
+        return np.full(count, _integer(dist, "value", where), dtype=np.int64)
+    if kind == "uniform":
+        low, high = _integer(dist, "min", where), _integer(dist, "max", where)
+        if high < low:
+            raise InputError(f"{where}.max must be >= {where}.min ({low}), got {high}")
+        return rng.integers(low, high + 1, count, dtype=np.int64)
+    if kind == "lognormal":
+        mean = _number(dist, "mean", where, positive=True)
+        sigma = _number(dist, "sigma", where)
+        low = _integer(dist, "min", where, default=1)
+        high = _integer(dist, "max", where, default=None)
+        if high is not None and high < low:
+            raise InputError(f"{where}.max must be >= {where}.min ({low}), got {high}")
+        mu = math.log(mean) - sigma ** 2 / 2  # so that the mean, not the median, is `mean`
+        values = np.rint(rng.lognormal(mu, sigma, count))
+        return np.clip(values, low, high).astype(np.int64)
+    return _empirical(dist, count, rng, where, base_dir)
+
+
+def _empirical(dist: dict, count: int, rng: np.random.Generator, where: str,
+               base_dir: Path) -> np.ndarray:
+    """Resample a column of a trace file with replacement."""
+    trace = _get(dist, "trace", where)
+    if not isinstance(trace, (str, Path)):
+        raise InputError(f"{where}.trace must be a path to a trace file, got {trace!r}")
+    path = base_dir / trace
+    if not path.is_file():
+        raise InputError(f"{where}.trace: file not found: {path}")
+    valid = ["prompt_tokens", "output_tokens", "n"]
+    default = where.rsplit(".", 1)[-1]
+    column = dist.get("column", default if default in valid else None)
+    if column not in valid:
+        raise InputError(f"{where}.column must be one of {', '.join(valid)}, got {column!r}")
+    fmt = dist.get("format", "auto")
+    if fmt not in ("auto",) + FORMATS:
+        raise InputError(f"{where}.format must be one of auto, {', '.join(FORMATS)}, got {fmt!r}")
+    values = load_trace(path, format=fmt)[column].to_numpy()
+    return rng.choice(values, count, replace=True).astype(np.int64)
+
+
+def _shared_prefix(shared: dict, prompt: np.ndarray, rng: np.random.Generator) -> dict:
+    """Prepend group system prompts to a fraction of requests; return their prefix id columns.
+
+    Block j of a request covers tokens [B*j, B*(j+1)). Blocks that lie wholly inside the group's
+    system prompt get id `group * S + j` (S = full prefix blocks per group); every other block
+    gets a fresh id from G*S upward, unique in the whole frame. So equal ids at position j imply
+    equal prefixes up to j (chained), and shared and unique ids never collide.
+    """
+    where = f"{WHERE}.shared_prefix"
+    if not isinstance(shared, dict):
+        raise InputError(f"{where} must be a mapping with keys {', '.join(SHARED_PREFIX_KEYS)}")
+    _check_keys(shared, SHARED_PREFIX_KEYS, where)
+    groups = _integer(shared, "num_groups", where)
+    prefix_tokens = _integer(shared, "prefix_tokens", where)
+    fraction = _number(shared, "fraction", where, maximum=1.0)
+    block = _integer(shared, "block_tokens", where, default=16)
+
+    count = len(prompt)
+    chosen = np.sort(_choose(rng, count, fraction))
+    group = rng.integers(0, groups, len(chosen))
+    prompt = prompt.copy()
+    prompt[chosen] += prefix_tokens
+    shared_blocks = prefix_tokens // block
+    unique_blocks = -(-prompt[chosen] // block) - shared_blocks
+    unique_start = groups * shared_blocks + np.concatenate([[0], np.cumsum(unique_blocks)[:-1]])
+    prefix_ids = [None] * count
+    for i, g, start, k in zip(chosen.tolist(), group.tolist(), unique_start.tolist(),
+                              unique_blocks.tolist()):
+        first = g * shared_blocks
+        prefix_ids[i] = tuple(range(first, first + shared_blocks)) + tuple(range(start, start + k))
+    block_tokens = np.zeros(count, dtype=np.int64)
+    block_tokens[chosen] = block
+    return {"prompt_tokens": prompt, "prefix_ids": prefix_ids, "prefix_block_tokens": block_tokens}
+
+
+# --- validation helpers ----------------------------------------------------------------------
+
+def _choose(rng: np.random.Generator, count: int, fraction: float) -> np.ndarray:
+    """Pick round(fraction * count) distinct request indices."""
+    return rng.choice(count, size=int(round(fraction * count)), replace=False)
+
+
+def _check_keys(mapping: dict, valid: list[str], where: str) -> None:
+    unknown = [k for k in mapping if k not in valid]
+    if unknown:
+        raise InputError(f"{where}.{unknown[0]}: unknown key; valid keys: {', '.join(valid)}")
+
+
+def _get(mapping: dict, key: str, where: str):
+    if mapping.get(key) is None:
+        raise InputError(f"{where}.{key} is required")
+    return mapping[key]
+
+
+def _integer(mapping: dict, key: str, where: str, minimum: int = 1, default=_MISSING):
+    value = mapping.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise InputError(f"{where}.{key} is required (an integer >= {minimum})")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InputError(f"{where}.{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _number(mapping: dict, key: str, where: str, positive: bool = False,
+            maximum: float = math.inf, default=_MISSING) -> float:
+    value = mapping.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise InputError(f"{where}.{key} is required (a number)")
+        return default
+    valid = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= maximum
+    if not valid:
+        bound = "> 0" if positive else ">= 0"
+        bound += f" and <= {maximum:g}" if maximum < math.inf else ""
+        raise InputError(f"{where}.{key} must be a number {bound}, got {value!r}")
+    return float(value)
