@@ -43,24 +43,40 @@ class MetricsRecorder:
         self.waiting_peak = 0
         self.blocks_per_seq_hist = [0] * 64
         self.num_steps = 0
+        self._observed = None
 
-    def record_step(self, plan, start_s: float, duration_s: float, scheduler) -> None:
-        """Record one executed step (after `finish_step`), with the state it left behind."""
+    def observe(self, plan, scheduler) -> None:
+        """Look at the KV state as the step runs (call right after `schedule`): blocks in use,
+        token slots allocated but not holding a token once this step's tokens are written,
+        running sequences and their block counts."""
         kv = scheduler.kv
-        used = kv.num_used_blocks
-        slot_waste = 0
-        running = 0
         hist = self.blocks_per_seq_hist
+        size = len(hist)
+        slots = computed = running = 0
+        paged = kv.kind == "paged"
         seq_slots = kv.seq_slots
         for req in scheduler.running:
             for seq in req.seqs:
                 running += 1
-                slots = seq_slots(seq)
-                slot_waste += slots - seq.num_computed_tokens
                 nb = len(seq.block_table)
-                if nb >= len(hist):
-                    hist.extend([0] * (nb + 1 - len(hist)))
+                slots += nb if paged else seq_slots(seq)
+                computed += seq.num_computed_tokens
+                if nb >= size:
+                    hist.extend([0] * (nb + 1 - size))
+                    size = len(hist)
                 hist[nb] += 1
+        if paged:
+            slots *= self.block_size
+        slot_waste = slots - computed - plan.num_tokens
+        self._observed = (plan.step, plan.kv_blocks_used, slot_waste, running)
+
+    def record_step(self, plan, start_s: float, duration_s: float, scheduler=None) -> None:
+        """Record one executed step, with the state `observe` saw while it ran."""
+        observed = self._observed
+        if observed is None or observed[0] != plan.step:
+            raise RuntimeError("MetricsRecorder.observe(plan, scheduler) must follow schedule()")
+        _, used, slot_waste, running = observed
+        self._observed = None
         self.num_steps += 1
         waiting = plan.num_waiting
         a = self._append

@@ -55,11 +55,11 @@ class Simulation:
     """One simulation run; `run()` returns a SimResult."""
 
     def __init__(self, scenario, trace_df: pd.DataFrame | None = None,
-                 check_integrity: bool = False, progress: bool = False):
+                 check_integrity: bool = False, progress: bool = False, cost_model=None):
         self.scenario = scenario
         self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
         self.scheduler, self.sizing = build_scheduler(scenario)
-        self.cost_model = build_cost_model(scenario)
+        self.cost_model = cost_model or build_cost_model(scenario)
         self.recorder = MetricsRecorder(self.scheduler.kv.num_blocks,
                                         scenario.cache.block_size)
         self.check_integrity = check_integrity
@@ -94,6 +94,7 @@ class Simulation:
         env = self.env
         scheduler = self.scheduler
         predict = self.cost_model.predict
+        observe = self.recorder.observe
         record = self.recorder.record_step
         check = self.check_integrity
         kv = scheduler.kv
@@ -110,11 +111,12 @@ class Simulation:
                     self._wake = None
                     continue
                 raise RuntimeError(f"step {plan.step}: requests wait but nothing can run")
+            observe(plan, scheduler)
             start = env.now
             duration = predict(plan)
             yield env.timeout(duration)
             scheduler.finish_step(plan, None, env.now)
-            record(plan, start, duration, scheduler)
+            record(plan, start, duration)
             if check:
                 kv.check_integrity()
             steps += 1
@@ -180,6 +182,10 @@ def _progress_bar(enabled: bool, horizon_s: float, label: str):
 
 
 def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity: bool = False,
-             progress: bool = False) -> SimResult:
-    """Simulate a scenario; returns summary (dict), requests and steps (DataFrames)."""
-    return Simulation(scenario, trace_df, check_integrity, progress).run()
+             progress: bool = False, cost_model=None) -> SimResult:
+    """Simulate a scenario; returns summary (dict), requests and steps (DataFrames).
+
+    `trace_df` replaces the scenario's workload; `cost_model` (anything with `predict(plan) ->
+    seconds` and a `name`) replaces the scenario's; `check_integrity` runs the KV manager's
+    integrity check after every step (slow on big pools)."""
+    return Simulation(scenario, trace_df, check_integrity, progress, cost_model).run()

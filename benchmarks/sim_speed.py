@@ -1,0 +1,106 @@
+"""Simulator speed: simulated seconds per wall second on the whole shared Azure conv trace.
+
+    python benchmarks/sim_speed.py [--runs 3] [--profile] [--json OUT.json]
+
+Each run is a whole `simkv run` process (start-up, trace loading, simulation and result writing
+included), timed from outside; the ratio is sim_duration_s / wall seconds. `--profile` then runs
+the simulation once in-process under cProfile and reports where the time goes, by component.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+SCENARIO = f"""\
+name: azure-conv-speed
+model: llama-3.1-8b
+gpu: h200
+cost_model: roofline
+cache: {{block_size: 16}}
+workload: {{trace: {TRACE}}}
+"""
+COMPONENTS = [("scheduler", "simkv/core/scheduler.py"), ("kv manager", "simkv/core/kv/"),
+              ("metrics", "simkv/core/metrics.py"), ("cost model", "simkv/costmodel/"),
+              ("sim loop", "simkv/sim/engine.py"), ("traces", "simkv/core/traces.py"),
+              ("simpy", "simpy/"), ("pandas/numpy", "pandas/"), ("pandas/numpy", "numpy/")]
+
+
+def whole_process_runs(scenario: Path, runs: int) -> list:
+    out = []
+    for i in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "simkv.cli", "run", str(scenario),
+                                   "--out", tmp, "--json"], capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if proc.returncode:
+                sys.exit(f"simkv run failed: {proc.stderr.strip()}")
+            summary = json.loads(Path(tmp, "summary.json").read_text())
+        out.append({"wall_s": wall, "sim_duration_s": summary["sim_duration_s"],
+                    "num_steps": summary["num_steps"],
+                    "speedup": summary["sim_duration_s"] / wall})
+        print(f"run {i + 1}: {wall:.2f} s wall, {summary['sim_duration_s']:.0f} sim s, "
+              f"{summary['num_steps']} steps, {out[-1]['speedup']:.0f}x real time")
+    return out
+
+
+def profile_components(scenario: Path) -> dict:
+    import simkv
+    from simkv.sim.engine import simulate
+    scn = simkv.load_scenario(scenario)
+    prof = cProfile.Profile()
+    prof.enable()
+    simulate(scn)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    totals: dict = {}
+    for (filename, _, func), (_, _, tottime, _, _) in stats.stats.items():
+        name = next((label for label, part in COMPONENTS if part in filename.replace("\\", "/")),
+                    "builtins/other")
+        totals[name] = totals.get(name, 0.0) + tottime
+    grand = sum(totals.values())
+    print("\nwhere the time goes (cProfile self time; profiling inflates Python-heavy parts):")
+    for name, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:16s} {seconds:7.2f} s  {100 * seconds / grand:5.1f}%")
+    print("\ntop functions by self time:")
+    stats.sort_stats("tottime").print_stats(12)
+    return {k: round(v / grand, 4) for k, v in totals.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args()
+    if not TRACE.exists():
+        sys.exit(f"skipped: the shared Azure trace is not at {TRACE}")
+    with tempfile.TemporaryDirectory() as tmp:
+        scenario = Path(tmp, "azure.yaml")
+        scenario.write_text(SCENARIO)
+        runs = whole_process_runs(scenario, args.runs)
+        best = max(runs, key=lambda r: r["speedup"])
+        median = sorted(r["speedup"] for r in runs)[len(runs) // 2]
+        print(f"\nmedian {median:.0f}x real time, best {best['speedup']:.0f}x "
+              f"({best['num_steps'] / best['wall_s']:.0f} steps/s) on {platform.processor() or platform.machine()}")
+        shares = profile_components(scenario) if args.profile else None
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "median_speedup": median,
+                                         "profile_shares": shares,
+                                         "python": platform.python_version(),
+                                         "machine": platform.machine(),
+                                         "command": " ".join(sys.argv)}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from simkv.cli import main
+
+main()

@@ -1,0 +1,358 @@
+"""The `simkv` command line (typer). `python cli.py ...` and `python -m simkv.cli ...` are the same.
+
+Every bad input ends the same way: one line `error: ...` on stderr and exit code 2, never a
+traceback (see `main`). Heavy imports (pandas, simpy, torch) happen inside the commands so that
+`simkv --help` stays fast.
+"""
+from __future__ import annotations
+
+import json
+import numbers
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from simkv.errors import InputError
+
+app = typer.Typer(
+    name="simkv",
+    help="Capacity planning for LLM serving with a paged KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+trace_app = typer.Typer(help="Inspect request traces and convert them to the canonical CSV.",
+                        no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks on the GPU side.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+app.add_typer(bench_app, name="bench")
+
+EXIT_FAILED = 1      # a check or assertion failed
+EXIT_BAD_INPUT = 2   # bad input: one line `error: ...` on stderr
+TRACE_FORMATS = ("auto", "azure", "mooncake", "burstgpt", "csv")
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def _not_available(command: str, detail: str = "") -> InputError:
+    return InputError(f"simkv {command} is not available yet{detail}")
+
+
+def _require(module: str, attr: str, command: str) -> Any:
+    """`module.attr`, or InputError 'not available yet' if that module is not written yet."""
+    import importlib
+
+    try:
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        # Missing simkv modules are work in progress; a missing third-party package is not.
+        if e.name is not None and e.name.split(".")[0] == "simkv":
+            raise _not_available(command, f" (needs {e.name})") from None
+        raise
+    if not hasattr(found, attr):
+        raise _not_available(command, f" (needs {module}.{attr})")
+    return getattr(found, attr)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _fmt(value: Any) -> str:
+    """A number for a table: thousands separators, four significant digits below 10,000."""
+    if value is None or isinstance(value, bool):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return f"{int(value):,}"
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    return str(value)
+
+
+def _print_json(data: Any) -> None:
+    def plain(value: Any) -> Any:  # numpy scalars, paths
+        return value.item() if hasattr(value, "item") else str(value)
+
+    print(json.dumps(data, indent=2, default=plain))
+
+
+# ----------------------------------------------------------------------------------------------
+# size
+
+
+@app.command()
+def size(
+    model: str = typer.Option(..., "--model", "-m", help="Bundled model name or path to an HF config.json."),
+    gpu: str = typer.Option("h200", "--gpu", "-g", help="Bundled GPU name."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block (power of two)."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="KV cache dtype: bf16 or fp8."),
+    gpu_memory_utilization: float = typer.Option(
+        0.9, "--gpu-memory-utilization", help="Fraction of GPU memory simkv may use, in (0, 1]."),
+    memory_budget_gib: Optional[float] = typer.Option(
+        None, "--memory-budget-gib", help="Explicit budget in GiB (wins over the utilisation)."),
+    max_num_batched_tokens: int = typer.Option(
+        8192, "--max-num-batched-tokens", help="Token budget per step (sizes the activation workspace)."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences per step."),
+    as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
+) -> None:
+    """KV sizing arithmetic and pool size for a model on a GPU."""
+    from simkv.core.config import CacheConfig, SchedulerConfig
+    from simkv.core.sizing import fit_error, size_pool
+    from simkv.core.specs import KV_DTYPE_BYTES, load_gpu, load_model
+
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise InputError(f"--block-size: {block_size} is not a positive power of two (8, 16, 32, ...)")
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise InputError(f"--kv-dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise InputError(f"--gpu-memory-utilization: {gpu_memory_utilization} is not in (0, 1]")
+    if memory_budget_gib is not None and memory_budget_gib <= 0:
+        raise InputError(f"--memory-budget-gib: must be > 0, got {memory_budget_gib}")
+    if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+        raise InputError("--max-num-batched-tokens and --max-num-seqs must be > 0")
+
+    cache = CacheConfig(block_size=block_size, kv_dtype=kv_dtype,
+                        gpu_memory_utilization=gpu_memory_utilization,
+                        memory_budget_gib=memory_budget_gib)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    sizing = size_pool(load_model(model), load_gpu(gpu), cache, scheduler)
+    problem = fit_error(sizing)
+    if problem:
+        raise InputError(problem)
+    if as_json:
+        _print_json(sizing.to_dict())
+        return
+    _print_sizing(sizing)
+
+
+def _print_sizing(sizing) -> None:
+    from rich.table import Table
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:,.2f} GiB"
+
+    table = Table(title=f"{sizing.model} on {sizing.gpu}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("block size", f"{sizing.block_size} tokens, {sizing.kv_dtype}"),
+        ("KV bytes per token", f"{sizing.bytes_per_token:,} B"),
+        ("KV bytes per block", f"{sizing.bytes_per_block:,} B ({sizing.bytes_per_block / MIB:g} MiB)"),
+        ("memory budget", gib(sizing.memory_budget_bytes)),
+        ("  weights", gib(sizing.weights_bytes)),
+        ("  activation workspace", gib(sizing.activation_bytes)),
+        ("  other (context, graphs, slack)", gib(sizing.other_bytes)),
+        ("  KV pool", gib(sizing.kv_pool_bytes)),
+        ("KV blocks", f"{sizing.num_blocks:,}"),
+        ("max cached tokens", f"{sizing.max_cached_tokens:,}"),
+        ("source", sizing.source),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = _console()
+    console.print(table)
+    if sizing.source == "estimate":
+        console.print("activation and other are estimates: no profile ledger for this GPU and model yet")
+
+
+# ----------------------------------------------------------------------------------------------
+# run
+
+
+@app.command()
+def run(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a scenario key: KEY=VALUE (repeatable)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Replace the workload with this trace file."),
+    trace_format: Optional[str] = typer.Option(None, "--trace-format", help="auto|azure|mooncake|burstgpt|csv"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default results/<scenario name>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Simulate one scenario: print a summary, write summary.json, requests.csv, steps.csv."""
+    import simkv
+    from simkv.core.config import load_scenario, parse_set
+
+    overrides = parse_set(set_)
+    if trace is not None:
+        overrides["workload.trace"] = str(trace.resolve())
+        overrides["workload.synthetic"] = None
+    if trace_format is not None:
+        overrides["workload.format"] = trace_format
+    scn = load_scenario(scenario, overrides)
+    _require("simkv.sim.engine", "simulate", "run")
+    result = simkv.simulate(scn, progress=not as_json)
+    out_dir = out if out is not None else Path("results") / scn.name
+    result.write(out_dir)
+    if as_json:
+        _print_json(result.summary)
+        return
+    _print_summary(result.summary, title=f"{scn.name}: {scn.model.name} on {scn.gpu.name}")
+    _console().print(f"results written to {out_dir}/")
+
+
+def _print_summary(summary: dict[str, Any], title: str) -> None:
+    from rich.table import Table
+
+    scalars = Table(title=title, show_header=False)
+    scalars.add_column(style="bold")
+    scalars.add_column(justify="right")
+    latencies = Table(title="latency and per-step distributions")
+    latencies.add_column("metric", style="bold")
+    for stat in ("mean", "p50", "p90", "p99"):
+        latencies.add_column(stat, justify="right")
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            latencies.add_row(key, *(_fmt(value.get(s)) for s in ("mean", "p50", "p90", "p99")))
+        else:
+            scalars.add_row(key, _fmt(value))
+    console = _console()
+    console.print(scalars)
+    if latencies.row_count:
+        console.print(latencies)
+
+
+# ----------------------------------------------------------------------------------------------
+# trace
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in TRACE_FORMATS:
+        raise InputError(f"--format: {fmt!r} is not one of {', '.join(TRACE_FORMATS)}")
+
+
+@trace_app.command("stats")
+def trace_stats(
+    path: Path = typer.Argument(..., help="Trace file."),
+    fmt: str = typer.Option("auto", "--format", help="auto|azure|mooncake|burstgpt|csv"),
+    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+) -> None:
+    """Request count, duration, rate and token-length percentiles of a trace."""
+    _check_format(fmt)
+    load_trace = _require("simkv.core.traces", "load_trace", "trace stats")
+    stats_of = _require("simkv.core.traces", "trace_stats", "trace stats")
+    stats = stats_of(load_trace(path, format=fmt))
+    if as_json:
+        _print_json(stats)
+        return
+    from rich.table import Table
+
+    table = Table(title=str(path), show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in _flatten(stats).items():
+        table.add_row(key, _fmt(value))
+    _console().print(table)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@trace_app.command("convert")
+def trace_convert(
+    path: Path = typer.Argument(..., help="Trace file."),
+    out: Path = typer.Argument(..., help="Canonical CSV to write."),
+    fmt: str = typer.Option("auto", "--format", help="auto|azure|mooncake|burstgpt|csv"),
+) -> None:
+    """Convert a trace to the canonical CSV (arrival_s, prompt_tokens, output_tokens, ...)."""
+    _check_format(fmt)
+    load_trace = _require("simkv.core.traces", "load_trace", "trace convert")
+    write_canonical = _require("simkv.core.traces", "write_canonical", "trace convert")
+    df = load_trace(path, format=fmt)
+    write_canonical(df, out)
+    _console().print(f"wrote {len(df):,} requests to {out}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands that later issues implement. They accept any arguments until then.
+
+_ANY_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _stub(name: str, help_text: str, group: typer.Typer = app, command: Optional[str] = None) -> None:
+    def stub(ctx: typer.Context) -> None:
+        raise _not_available(command or name)
+
+    stub.__doc__ = help_text
+    group.command(name, context_settings=_ANY_ARGS, help=help_text)(stub)
+
+
+_stub("sweep", "What-if grid over scenario keys; one row per point (not available yet).")
+_stub("capacity", "Highest request rate that meets the scenario's SLOs (not available yet).")
+_stub("check", "Sizing assertions for CI from a checks file (not available yet).")
+_stub("replay", "Run a scenario on the real engine, arrivals in real time (not available yet).")
+_stub("profile", "Measure step costs and memory on a GPU (not available yet).")
+_stub("fit", "Fit a cost model to profiled measurements (not available yet).")
+_stub("validate", "Compare the simulator with the real engine (not available yet).")
+_stub("kernels", "Benchmark the paged attention kernels (not available yet).", bench_app, "bench kernels")
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def run_cli(argv: Optional[list[str]] = None) -> int:
+    """Run the CLI on `argv` (default sys.argv[1:]) and return the exit code.
+
+    Bad input never raises: InputError, missing files, bad YAML and bad parameters print one
+    `error: ...` line on stderr and return 2.
+    """
+    import yaml
+
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="simkv", standalone_mode=False)
+        return code if isinstance(code, int) else 0
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    except InputError as e:
+        return _fail(str(e))
+    except yaml.YAMLError as e:
+        return _fail(f"bad YAML: {e}")
+    except OSError as e:  # FileNotFoundError, IsADirectoryError, PermissionError, ...
+        if e.filename is not None:
+            return _fail(f"{e.strerror or e}: {e.filename}")
+        return _fail(str(e))
+    except Exception as e:
+        # Usage errors of the parser (click's, or the copy vendored by newer typer versions).
+        kinds = {cls.__name__ for cls in type(e).__mro__}
+        if "NoArgsIsHelpError" in kinds:
+            print(e.ctx.get_help())
+            return 0
+        if "ClickException" not in kinds:
+            raise
+        message = e.format_message()
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None and ctx.command_path != "simkv":
+            message = f"{ctx.command_path}: {message}"
+        return _fail(message)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {_one_line(message)}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def main() -> None:
+    """Console-script entry point: `simkv ...`."""
+    sys.exit(run_cli())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""KV sizing arithmetic: how many KV blocks fit next to the weights and the runtime's workspace.
+
+    kv_pool_bytes = memory_budget_bytes - weights_bytes - activation_bytes - other_bytes
+    num_blocks    = kv_pool_bytes // bytes_per_block        (or cache.num_gpu_blocks_override)
+
+The subtracted terms come from a measured memory ledger (`profiles/<gpu>/<model>/ledger.json`)
+when one exists (`source: "profile"`), else from the estimate below (`source: "estimate"`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from simkv.core.specs import GpuSpec, ModelSpec, profiles_dir
+from simkv.errors import InputError
+
+if TYPE_CHECKING:  # config imports this module when it validates a scenario
+    from simkv.core.config import CacheConfig, SchedulerConfig
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# Weights are served in bf16 (2 bytes per parameter); fp8 applies to the KV cache only.
+WEIGHT_DTYPE_BYTES = 2
+
+# --- Estimates used until a GPU profile exists ------------------------------------------------
+# Activation workspace. vLLM sizes the KV pool after a profiling forward pass over
+# max_num_batched_tokens tokens, so the peak activation scales with that token budget. Inside one
+# layer the peak is the MLP: the residual stream and its normed copy (2 x hidden) live while the
+# gate/up output (2 x intermediate) and the SiLU-and-mul output (1 x intermediate) exist, all bf16.
+# Attention's q/k/v + output ((heads + 2 kv_heads + heads) x head_dim) is smaller for every model
+# here, but is taken when larger. Layers run one after another, so one layer's peak is the peak.
+ACTIVATION_DTYPE_BYTES = 2
+# The sampler materialises fp32 logits for each sampled row (at most max_num_seqs rows, one per
+# sequence) and a probabilities tensor of the same shape: two fp32 copies of rows x vocab.
+LOGITS_COPIES = 2
+LOGITS_DTYPE_BYTES = 4
+# Everything else the runtime holds outside the PyTorch tensors above, about 1 GiB in total:
+# - the CUDA context with cuBLAS/cuDNN handles and workspaces (nvidia-smi shows ~0.5 GiB per
+#   process on Hopper before any tensor is allocated);
+# - the CUDA-graph memory pool for decode batch sizes up to max_num_seqs (vLLM logs 0.3-0.6 GiB
+#   for 7-8B models; we take 384 MiB);
+# - caching-allocator slack: fragmentation between freed segments (128 MiB).
+CUDA_CONTEXT_BYTES = 512 * MIB
+CUDA_GRAPH_POOL_BYTES = 384 * MIB
+ALLOCATOR_SLACK_BYTES = 128 * MIB
+
+PROFILE_LEDGER_KEYS = (
+    "weights_bytes",
+    "activation_bytes_per_batched_token",
+    "activation_base_bytes",
+    "other_bytes",
+)
+
+
+@dataclass
+class Sizing:
+    """The result of `size_pool`; the keys of `simkv size --json` plus `num_host_blocks`."""
+
+    model: str
+    gpu: str
+    block_size: int
+    kv_dtype: str
+    bytes_per_token: int
+    bytes_per_block: int
+    memory_budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    other_bytes: int
+    kv_pool_bytes: int             # may be negative when the model does not fit; see fit_error
+    num_blocks: int                # usable GPU blocks (never negative)
+    max_cached_tokens: int         # num_blocks x block_size
+    source: str                    # "profile" | "estimate"
+    ledger: dict[str, Any] = field(default_factory=dict)
+    num_host_blocks: int = 0       # blocks of host swap space (cache.swap_space_gib)
+
+    @property
+    def needed_bytes(self) -> int:
+        """Bytes the model needs before any KV cache: weights + activation + other."""
+        return self.weights_bytes + self.activation_bytes + self.other_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable), keys as `simkv size --json`."""
+        return asdict(self)
+
+
+def seq_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks a sequence of `num_tokens` tokens occupies (the last one possibly partial)."""
+    return -(-num_tokens // block_size)
+
+
+def wasted_slots(num_tokens: int, block_size: int) -> int:
+    """Token slots allocated to a `num_tokens` sequence but not holding a token."""
+    return seq_blocks(num_tokens, block_size) * block_size - num_tokens
+
+
+def memory_budget_bytes(gpu: GpuSpec, cache: CacheConfig) -> int:
+    """The bytes simkv may use: memory_budget_gib if set, else utilisation x device memory."""
+    if cache.memory_budget_gib is not None:
+        return int(cache.memory_budget_gib * GIB)
+    return math.floor(cache.gpu_memory_utilization * gpu.memory_bytes)
+
+
+def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> int:
+    """Estimated peak activation workspace (bytes) of a forward over max_num_batched_tokens."""
+    tokens = scheduler.max_num_batched_tokens
+    mlp_elems = 3 * model.intermediate_size
+    attention_elems = (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_token = (2 * model.hidden_size + max(mlp_elems, attention_elems)) * ACTIVATION_DTYPE_BYTES
+    sampled_rows = min(scheduler.max_num_seqs, tokens)
+    logits = LOGITS_COPIES * sampled_rows * model.vocab_size * LOGITS_DTYPE_BYTES
+    return tokens * per_token + logits
+
+
+def read_profile_ledger(model: ModelSpec, gpu: GpuSpec) -> Optional[dict[str, Any]]:
+    """The measured ledger `profiles/<gpu>/<model>/ledger.json` as a dict, or None if absent."""
+    path = profiles_dir() / gpu.name / model.name / "ledger.json"
+    if not path.is_file():
+        return None
+    try:
+        ledger = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    for key in PROFILE_LEDGER_KEYS:
+        value = ledger.get(key) if isinstance(ledger, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise InputError(f"{path}: '{key}' must be a non-negative number, got {value!r}")
+    ledger["path"] = str(path)
+    return ledger
+
+
+def size_pool(
+    model: ModelSpec, gpu: GpuSpec, cache: CacheConfig, scheduler: SchedulerConfig
+) -> Sizing:
+    """Size the KV pool of `model` on `gpu` (all figures in bytes unless named otherwise).
+
+    Never raises for a model that does not fit: kv_pool_bytes goes negative and num_blocks to 0;
+    use `fit_error` to turn that into a message.
+    """
+    bytes_per_token = model.kv_bytes_per_token(cache.kv_dtype)
+    bytes_per_block = bytes_per_token * cache.block_size
+    budget = memory_budget_bytes(gpu, cache)
+
+    profile = read_profile_ledger(model, gpu)
+    if profile is not None:
+        source = "profile"
+        weights = int(profile["weights_bytes"])
+        activation = int(
+            profile["activation_base_bytes"]
+            + profile["activation_bytes_per_batched_token"] * scheduler.max_num_batched_tokens
+        )
+        other = int(profile["other_bytes"])
+        other_parts = {"other_bytes": other}
+        ledger_meta = {k: v for k, v in profile.items() if k not in PROFILE_LEDGER_KEYS}
+    else:
+        source = "estimate"
+        weights = model.weight_bytes(WEIGHT_DTYPE_BYTES)
+        activation = estimate_activation_bytes(model, scheduler)
+        other_parts = {
+            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+            "cuda_graph_pool_bytes": CUDA_GRAPH_POOL_BYTES,
+            "allocator_slack_bytes": ALLOCATOR_SLACK_BYTES,
+        }
+        other = sum(other_parts.values())
+        ledger_meta = {}
+
+    kv_pool = budget - weights - activation - other
+    if cache.num_gpu_blocks_override is not None:
+        num_blocks = cache.num_gpu_blocks_override
+    else:
+        num_blocks = max(0, kv_pool // bytes_per_block)
+    kv_blocks = num_blocks * bytes_per_block
+
+    # Parts that add up to the device total: what the runtime holds, the KV blocks, the pool's
+    # remainder that does not make a whole block, and the memory outside the budget.
+    ledger = {
+        "device_memory_bytes": gpu.memory_bytes,
+        "outside_budget_bytes": gpu.memory_bytes - budget,
+        "weights_bytes": weights,
+        "activation_bytes": activation,
+        **other_parts,
+        "kv_blocks_bytes": kv_blocks,
+        "kv_pool_remainder_bytes": kv_pool - kv_blocks,
+        **ledger_meta,
+    }
+    return Sizing(
+        model=model.name,
+        gpu=gpu.name,
+        block_size=cache.block_size,
+        kv_dtype=cache.kv_dtype,
+        bytes_per_token=bytes_per_token,
+        bytes_per_block=bytes_per_block,
+        memory_budget_bytes=budget,
+        weights_bytes=weights,
+        activation_bytes=activation,
+        other_bytes=other,
+        kv_pool_bytes=kv_pool,
+        num_blocks=num_blocks,
+        max_cached_tokens=num_blocks * cache.block_size,
+        source=source,
+        ledger=ledger,
+        num_host_blocks=int(cache.swap_space_gib * GIB) // bytes_per_block,
+    )
+
+
+def fit_error(sizing: Sizing, max_model_len: Optional[int] = None) -> Optional[str]:
+    """Why this sizing cannot serve (a one-line message), or None when it can.
+
+    Two problems: the model needs more than the budget before any KV cache, or the pool holds
+    fewer tokens than one `max_model_len` sequence.
+    """
+    if sizing.needed_bytes >= sizing.memory_budget_bytes or sizing.num_blocks <= 0:
+        return (
+            f"{sizing.model} needs {sizing.needed_bytes / GIB:.1f} GiB on {sizing.gpu} before any "
+            f"KV cache (weights {sizing.weights_bytes / GIB:.1f} + activation "
+            f"{sizing.activation_bytes / GIB:.1f} + other {sizing.other_bytes / GIB:.1f}, "
+            f"{sizing.source}), budget is {sizing.memory_budget_bytes / GIB:.1f} GiB: raise "
+            "cache.gpu_memory_utilization or cache.memory_budget_gib, or use a bigger GPU"
+        )
+    if max_model_len is not None and sizing.max_cached_tokens < max_model_len:
+        return (
+            f"pool holds {sizing.max_cached_tokens} tokens ({sizing.num_blocks} blocks of "
+            f"{sizing.block_size}); max_model_len is {max_model_len}: lower "
+            "scheduler.max_model_len or raise the budget"
+        )
+    return None

@@ -1,0 +1,72 @@
+"""`simkv size` end to end, and the command line's entry points."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SIZE_KEYS = {"model", "gpu", "block_size", "kv_dtype", "bytes_per_token", "bytes_per_block",
+             "memory_budget_bytes", "weights_bytes", "activation_bytes", "other_bytes",
+             "kv_pool_bytes", "num_blocks", "max_cached_tokens", "source"}
+
+
+def run(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def size_json(*args: str) -> dict:
+    result = run("-m", "simkv.cli", "size", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_size_json_reports_llama_8b_at_block_16():
+    out = size_json("--model", "llama-3.1-8b", "--block-size", "16")
+    assert SIZE_KEYS <= set(out)
+    assert (out["model"], out["gpu"], out["block_size"], out["kv_dtype"]) == ("llama-3.1-8b", "h200", 16, "bf16")
+    assert out["bytes_per_token"] == 131_072
+    assert out["bytes_per_block"] == 2 * 1024 * 1024
+    assert out["source"] == "estimate"
+    assert out["kv_pool_bytes"] == (out["memory_budget_bytes"] - out["weights_bytes"]
+                                    - out["activation_bytes"] - out["other_bytes"])
+    assert out["num_blocks"] == out["kv_pool_bytes"] // out["bytes_per_block"]
+    assert out["max_cached_tokens"] == out["num_blocks"] * 16
+
+
+def test_size_json_with_fp8_halves_the_block_and_roughly_doubles_the_blocks():
+    bf16 = size_json("--model", "llama-3.1-8b")
+    fp8 = size_json("--model", "llama-3.1-8b", "--kv-dtype", "fp8")
+    assert fp8["bytes_per_block"] == bf16["bytes_per_block"] // 2 == 1024 * 1024
+    assert fp8["num_blocks"] in (2 * bf16["num_blocks"], 2 * bf16["num_blocks"] + 1)
+
+
+def test_size_json_with_an_explicit_budget():
+    out = size_json("--model", "llama-3.2-1b", "--gpu", "l40s", "--memory-budget-gib", "20")
+    assert out["memory_budget_bytes"] == 20 * 1024**3
+
+
+def test_size_prints_a_table_without_json():
+    result = run("-m", "simkv.cli", "size", "--model", "llama-3.1-8b")
+    assert result.returncode == 0, result.stderr
+    assert "131,072" in result.stdout and "2 MiB" in result.stdout and "estimate" in result.stdout
+
+
+def test_the_top_level_cli_py_shim_is_the_same_command():
+    result = run("cli.py", "size", "--model", "tiny", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+
+
+def test_help_lists_every_documented_command():
+    result = run("-m", "simkv.cli", "--help")
+    assert result.returncode == 0
+    for command in ("size", "run", "sweep", "capacity", "check", "trace", "replay",
+                    "profile", "fit", "validate", "bench"):
+        assert command in result.stdout
+
+
+def test_importing_simkv_and_its_cli_loads_neither_torch_nor_pandas():
+    code = ("import sys, simkv, simkv.cli; "
+            "print(sorted(m for m in ('torch', 'triton', 'pandas', 'simpy') if m in sys.modules))")
+    result = run("-c", code)
+    assert result.stdout.strip() == "[]", result.stderr
