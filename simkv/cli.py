@@ -288,14 +288,147 @@ def _stub(name: str, help_text: str, group: typer.Typer = app, command: Optional
     group.command(name, context_settings=_ANY_ARGS, help=help_text)(stub)
 
 
-_stub("sweep", "What-if grid over scenario keys; one row per point (not available yet).")
-_stub("capacity", "Highest request rate that meets the scenario's SLOs (not available yet).")
-_stub("check", "Sizing assertions for CI from a checks file (not available yet).")
-_stub("replay", "Run a scenario on the real engine, arrivals in real time (not available yet).")
-_stub("profile", "Measure step costs and memory on a GPU (not available yet).")
-_stub("fit", "Fit a cost model to profiled measurements (not available yet).")
+
+# ----------------------------------------------------------------------------------------------
+# What-if: sweep, capacity, check
+
+
+@app.command("sweep")
+def sweep(
+    scenario: Path = typer.Argument(..., help="Scenario YAML."),
+    grid: list[str] = typer.Option(..., "--grid", help="KEY=V1,V2,... (repeatable)."),
+    set_: list[str] = typer.Option([], "--set", help="KEY=VALUE applied to every point."),
+    backend: str = typer.Option("local", "--backend", help="local (process pool) | dask"),
+    dask_address: Optional[str] = typer.Option(None, "--dask-address",
+                                               help="dask scheduler; default a LocalCluster"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder."),
+    resume: bool = typer.Option(False, "--resume", help="Skip points already in sweep.csv."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Parallel points."),
+) -> int:
+    """What-if grid over scenario keys; one row per point in sweep.csv, written as points finish."""
+    if backend not in ("local", "dask"):
+        raise InputError(f"--backend: {backend!r} is not one of local, dask")
+    sweep_command = _require("simkv.whatif.commands", "sweep_command", "sweep")
+    return sweep_command(scenario, grid, set_, backend=backend, dask_address=dask_address,
+                         out_dir=out, resume=resume, workers=workers)
+
+
+@app.command("capacity")
+def capacity(
+    scenario: Path = typer.Argument(..., help="Scenario YAML with an slo: section."),
+    set_: list[str] = typer.Option([], "--set", help="KEY=VALUE override (repeatable)."),
+    replicates: int = typer.Option(1, "--replicates", help="Seeds / bootstrap resamples."),
+    tolerance: float = typer.Option(0.02, "--tolerance", help="Relative bisection tolerance."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> int:
+    """Highest request rate (by scaling inter-arrival times) that meets every SLO."""
+    capacity_command = _require("simkv.whatif.commands", "capacity_command", "capacity")
+    return capacity_command(scenario, set_, replicates=replicates, tolerance=tolerance,
+                            as_json=as_json)
+
+
+@app.command("check")
+def check(
+    checks: Path = typer.Argument(..., help="Checks YAML."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML here."),
+) -> int:
+    """Sizing assertions for CI: exit 0 when all hold, 1 when one fails."""
+    check_command = _require("simkv.whatif.commands", "check_command", "check")
+    return check_command(checks, junit)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU side: replay, profile, fit, bench
+
+
+@app.command("replay")
+def replay(
+    scenario: Path = typer.Argument(..., help="Scenario YAML."),
+    device: str = typer.Option("cuda", "--device", help="cuda | cpu"),
+    set_: list[str] = typer.Option([], "--set", help="KEY=VALUE override (repeatable)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder."),
+    save_tokens: bool = typer.Option(False, "--save-tokens", help="Also write tokens.jsonl."),
+    offline: bool = typer.Option(False, "--offline",
+                                 help="All requests arrive at 0 (saturated throughput)."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs."),
+) -> None:
+    """Run a scenario on the real engine (arrivals by the wall clock); same files as `run`."""
+    if device not in ("cuda", "cpu"):
+        raise InputError(f"--device: {device!r} is not one of cuda, cpu")
+    from simkv.core.config import load_scenario, parse_set
+
+    scn = load_scenario(scenario, parse_set(set_))
+    try:
+        import torch
+    except ImportError:
+        raise InputError("simkv replay needs torch: pip install -e '.[gpu]'") from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA GPU here (use --device cpu with a small model)")
+    run_replay = _require("simkv.gpu.engine", "replay", "replay")
+    out_dir = out if out is not None else Path("results") / f"{scn.name}-replay"
+    result = run_replay(scn, device=device, out_dir=out_dir, save_tokens=save_tokens,
+                        realtime=not offline, enforce_eager=enforce_eager, progress=True)
+    _print_summary(result.summary, title=f"{scn.name}: measured on {device}")
+    _console().print(f"results written to {out_dir}/")
+
+
+@app.command("profile")
+def profile(
+    model: str = typer.Option(..., "--model", help="Bundled model name or config.json path."),
+    block_sizes: str = typer.Option("8,16,32,64,128", "--block-sizes"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Default profiles/<gpu>/<model>/."),
+    quick: bool = typer.Option(False, "--quick", help="A few points (smoke test)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda (default) | cpu"),
+) -> None:
+    """Measure step costs, transfers and the memory ledger on a GPU; writes raw CSVs."""
+    sizes = _int_list(block_sizes, "--block-sizes")
+    run_profile = _require("simkv.gpu.profiler", "run_profile", "profile")
+    path = run_profile(model, block_sizes=sizes, out_dir=out, quick=quick, device=device)
+    _console().print(f"profile written to {path}/")
+
+
+@app.command("fit")
+def fit(
+    profile_dir: Path = typer.Argument(..., help="A profile folder with raw CSVs."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where fit.json goes (default: DIR)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the fit as JSON."),
+) -> None:
+    """Fit the step-cost model to a profile's raw measurements (fit.json)."""
+    fit_profile = _require("simkv.costmodel.fit", "fit_profile", "fit")
+    result = fit_profile(profile_dir, out=out)
+    if as_json:
+        _print_json(result)
+        return
+    err = result.get("holdout_error", {})
+    _console().print(f"fit written to {(out or profile_dir) / 'fit.json'}; held-out error "
+                     f"median {_fmt(err.get('median'))}, p95 {_fmt(err.get('p95'))}; block sizes "
+                     f"{result.get('block_sizes')}")
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    out: Path = typer.Option(Path("profiles/h200/kernels.csv"), "--out"),
+    quick: bool = typer.Option(False, "--quick", help="A few points only."),
+) -> None:
+    """Benchmark the paged attention kernels against SDPA on contiguous KV (needs a GPU)."""
+    try:
+        import torch
+    except ImportError:
+        raise InputError("simkv bench kernels needs torch: pip install -e '.[gpu]'") from None
+    if not torch.cuda.is_available():
+        raise InputError("simkv bench kernels needs a CUDA GPU")
+    run_kernel_bench = _require("simkv.gpu.bench", "run_kernel_bench", "bench kernels")
+    run_kernel_bench(out, quick=quick, command="simkv bench kernels " + " ".join(sys.argv[3:]))
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+
+
 _stub("validate", "Compare the simulator with the real engine (not available yet).")
-_stub("kernels", "Benchmark the paged attention kernels (not available yet).", bench_app, "bench kernels")
 
 
 # ----------------------------------------------------------------------------------------------
