@@ -1,0 +1,281 @@
+"""Paged decode attention: split-K flash-decoding over a paged KV cache, then a merge pass.
+
+One program handles one (KV head, split, sequence): every query head that shares the KV head
+(GQA group, padded to 16 rows so that `tl.dot` uses tensor cores) against a contiguous range of
+the sequence's tokens. Each loop iteration streams a TILE of tokens that may span several pages,
+gathering page numbers from the block table. With more than one split, per-split partial results
+(unnormalised accumulator, running max, running sum) go to a float32 workspace and a second
+kernel merges them; with one split the first kernel writes the output directly.
+
+The grid depends only on shapes (num_seqs, num_kv_heads, max_blocks_per_seq) and the device's
+SM count, never on tensor values, so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale, next_pow2, sm_count
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel: tokens per loop iteration, warps, pipeline depth."""
+
+    tile: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def decode_config(block_size: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Launch configuration for a cache layout.
+
+    bf16/fp16 with head_dim <= 128: tile 64, 4 warps, 2 stages, the fastest of a sweep on an H200
+    at batch 64 × 4096 (profiles/h200/kernels.json) and within 1% across block sizes 8-128 there.
+    fp32 and head_dim 256: chosen from the compiler's register report (no spills), not timed.
+    """
+    if dtype == torch.float32:  # IEEE fp32 dots run on FMA units and need many registers
+        return DecodeConfig(tile=32, num_warps=8, num_stages=2)
+    if head_dim > 128:
+        return DecodeConfig(tile=32, num_warps=8, num_stages=3)
+    return DecodeConfig(tile=64, num_warps=4, num_stages=2)
+
+
+# Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
+# (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
+# towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
+# tiles (these two are first guesses; `python -m simkv.gpu.bench tune` sweeps them).
+FULL_PROGRAMS_PER_SM = 2
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 2
+
+
+def decode_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    tile: int,
+    num_sms: int,
+    *,
+    split_programs_per_sm: int | None = None,
+    min_tiles_per_split: int | None = None,
+) -> int:
+    """Splits per sequence for a decode call; depends only on shapes, so CUDA graphs can hold it.
+
+    `max_context` is the longest context the block tables can address (max_blocks_per_seq ×
+    block_size); `tile` the kernel's tokens per iteration (`decode_config(...).tile`).
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= FULL_PROGRAMS_PER_SM * num_sms:
+        return 1
+    per_sm = SPLIT_PROGRAMS_PER_SM if split_programs_per_sm is None else split_programs_per_sm
+    min_tiles = MIN_TILES_PER_SPLIT if min_tiles_per_split is None else min_tiles_per_split
+    max_tiles = max(1, -(-max_context // tile))
+    want = -(-per_sm * num_sms // max(1, programs))
+    return int(max(1, min(want, max_tiles // min_tiles, 256)))
+
+
+def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of scratch that a decode call with `num_splits` > 1 needs."""
+    return num_seqs * num_heads * num_splits * (head_dim + 2)
+
+
+# Integer arguments equal to 1 would otherwise be specialised into Python constants.
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_splits"])
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, workspace_ptr,
+    scale_log2e,
+    stride_q_seq, stride_q_head,
+    stride_k_block, stride_k_tok, stride_k_head,
+    stride_v_block, stride_v_tok, stride_v_head,
+    stride_bt_seq,
+    stride_o_seq, stride_o_head,
+    num_seqs, num_heads, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=g_mask[:, None], other=0.0,
+    )
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # Page numbers of the next tile are loaded one iteration ahead, so that the K/V loads of a
+    # tile depend on no load of the same iteration and the compiler can pipeline them.
+    tok = tile_lo * TILE + offs_t
+    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok < seq_len, other=0)
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * TILE + offs_t
+        valid = tok < seq_len
+        in_page = tok % BLOCK_SIZE
+        page64 = page.to(tl.int64)
+        k = tl.load(
+            k_head + (page64 * stride_k_block + in_page * stride_k_tok)[:, None] + offs_d[None, :],
+            mask=valid[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_head + (page64 * stride_v_block + in_page * stride_v_tok)[:, None] + offs_d[None, :],
+            mask=valid[:, None], other=0.0,
+        )
+        next_tok = tok + TILE
+        page = tl.load(bt_row + next_tok // BLOCK_SIZE, mask=next_tok < seq_len, other=0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # Workspace: acc [rows, HEAD_DIM], then m [rows], then l [rows], rows = (seq, head, split).
+        # An empty split (short sequence) stores m = -inf, l = 0, acc = 0: weight 0 in the merge.
+        rows = num_seqs.to(tl.int64) * num_heads * num_splits
+        row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(workspace_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(workspace_ptr + rows * HEAD_DIM + row, m_i, mask=g_mask)
+        tl.store(workspace_ptr + rows * (HEAD_DIM + 1) + row, l_i, mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_splits"])
+def _merge_splits_kernel(
+    workspace_ptr, out_ptr,
+    stride_o_seq, stride_o_head,
+    num_seqs, num_heads, num_splits,
+    SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    rows = num_seqs.to(tl.int64) * num_heads * num_splits
+    first = (seq.to(tl.int64) * num_heads + head) * num_splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    m = tl.load(workspace_ptr + rows * HEAD_DIM + first + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    # Split 0 always holds token 0, so m_max is finite and every weight is finite.
+    m_max = tl.max(m, 0)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    l_sum = tl.zeros([CHUNK], tl.float32)
+    for c in range(0, tl.cdiv(num_splits, CHUNK)):
+        split = c * CHUNK + offs_c
+        valid = split < num_splits
+        row = first + split
+        m_c = tl.load(workspace_ptr + rows * HEAD_DIM + row, mask=valid, other=float("-inf"))
+        l_c = tl.load(workspace_ptr + rows * (HEAD_DIM + 1) + row, mask=valid, other=0.0)
+        w = tl.exp2(m_c - m_max)
+        part = tl.load(workspace_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+        l_sum += l_c * w
+    out = acc / tl.sum(l_sum, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+    head_dim]; block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs], each
+    >= 1 (the tokens to attend to, this step's token included). Query head h reads KV head
+    h // (num_heads // num_kv_heads). `scale` defaults to 1/sqrt(head_dim).
+
+    Returns out [num_seqs, num_heads, head_dim] in q's dtype (written into `out` if given).
+    `workspace` is optional float32 scratch of at least `decode_workspace_numel(...)` elements;
+    pass it (and `out`) preallocated to capture the call in a CUDA graph. `num_splits` and
+    `config` override the tuned launch parameters (benchmarks, tests).
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    num_seqs, num_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache (kv heads {num_kv_heads}, head_dim {head_dim})")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    group = num_heads // num_kv_heads
+    cfg = config or decode_config(block_size, head_dim, q.dtype)
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, cfg.tile, sm_count(q.device))
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+
+    single = num_splits == 1
+    if single:
+        workspace = out  # not touched by the kernel
+    else:
+        need = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need:
+            raise ValueError(f"workspace must be float32 with at least {need} elements")
+
+    scale_log2e = default_scale(head_dim, scale) * LOG2E
+    _paged_decode_kernel[(num_kv_heads, num_splits, num_seqs)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, workspace,
+        scale_log2e,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_seqs, num_heads, num_splits,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE=cfg.tile, SINGLE_SPLIT=single,
+        PRECISION=DOT_PRECISION,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not single:
+        splits_pad = next_pow2(num_splits)
+        _merge_splits_kernel[(num_heads, num_seqs)](
+            workspace, out,
+            out.stride(0), out.stride(1),
+            num_seqs, num_heads, num_splits,
+            SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, 16), HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out

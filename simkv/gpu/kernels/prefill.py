@@ -1,0 +1,202 @@
+"""Paged prefill attention: causal varlen attention of new tokens over a paged KV cache.
+
+The new tokens of every sequence sit back to back in q (`query_start_loc` marks where each
+sequence starts); their K/V are already in the cache, behind any cached prefix. Query token i of
+sequence s sits at position seq_lens[s] - q_len_s + i and sees keys 0..that position.
+
+One program handles BLOCK_M query tokens of one sequence for one query head. Programs are laid
+out over the flattened query tokens with one spare tile per sequence (sequence s owns tiles from
+query_start_loc[s] // BLOCK_M + s), so the grid depends only on shapes; a program finds its
+sequence by binary search and exits with no work if its tile lies past the sequence's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel: query and key tile sizes, warps, pipeline depth."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Launch configuration: BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages for 16-bit inputs (one of
+    the fastest in a sweep on an H200, profiles/h200/kernels.json); fp32 and head_dim 256 from the
+    compiler's register report, not timed."""
+    if dtype == torch.float32:  # IEEE fp32 dots run on FMA units and need many registers
+        return PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
+    if head_dim > 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    return PrefillConfig()
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, mask, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    # Scores in log2 units; the max is taken before scaling so that scale and shift are one FMA.
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+# num_seqs == 1 would otherwise be specialised into a Python constant.
+@triton.jit(do_not_specialize=["num_seqs"])
+def _paged_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    scale_log2e,
+    stride_q_tok, stride_q_head,
+    stride_k_block, stride_k_tok, stride_k_head,
+    stride_v_block, stride_v_tok, stride_v_head,
+    stride_bt_seq,
+    stride_o_tok, stride_o_head,
+    num_seqs,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    # Highest tiles first: under the causal mask they carry the most work, so the tail is short.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    kv_head = head // GROUP
+
+    # Last sequence whose first tile index is <= tile.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        go_right = first_tile <= tile
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    m_start = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    has_work = m_start < q_len
+    context_start = seq_len - q_len  # position of this chunk's first token
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_valid = offs_m < q_len
+    pos = context_start + offs_m
+
+    tok_idx = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok_idx[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None], other=0.0,
+    )
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
+
+    # Keys below the tile's first position are visible to every row: no mask needed there.
+    last_pos = context_start + tl.minimum(m_start + BLOCK_M, q_len) - 1
+    n_full = tl.where(has_work, (context_start + m_start + 1) // BLOCK_N, 0)
+    n_all = tl.where(has_work, tl.cdiv(last_pos + 1, BLOCK_N), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Page numbers are loaded one key tile ahead, so that the K/V loads of a tile depend on no
+    # load of the same iteration and the compiler can pipeline them.
+    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0)
+    for kt in range(0, n_full):
+        key = kt * BLOCK_N + offs_n
+        k_off = page.to(tl.int64) * stride_k_block + (key % BLOCK_SIZE) * stride_k_tok
+        v_off = page.to(tl.int64) * stride_v_block + (key % BLOCK_SIZE) * stride_v_tok
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :])
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :])
+        next_key = key + BLOCK_N
+        page = tl.load(bt_row + next_key // BLOCK_SIZE, mask=next_key < seq_len, other=0)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, None, PRECISION, False)
+    for kt in range(n_full, n_all):
+        key = kt * BLOCK_N + offs_n
+        key_valid = key < seq_len
+        k_off = page.to(tl.int64) * stride_k_block + (key % BLOCK_SIZE) * stride_k_tok
+        v_off = page.to(tl.int64) * stride_v_block + (key % BLOCK_SIZE) * stride_v_tok
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        next_key = key + BLOCK_N
+        page = tl.load(bt_row + next_key // BLOCK_SIZE, mask=next_key < seq_len, other=0)
+        causal = (key[None, :] <= pos[:, None]) & key_valid[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, causal, PRECISION, True)
+
+    # Rows past the chunk's end are never stored; keep their division finite anyway.
+    l_i = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tok_idx[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of a chunk of new tokens per sequence over the paged cache.
+
+    q [total_query_tokens, num_heads, head_dim], sequences back to back; query_start_loc int32
+    [num_seqs + 1] (0, cumulative query lengths); seq_lens int32 [num_seqs]: context length
+    including this step's tokens, whose K/V are already in the cache. Query token i of sequence s
+    is at position seq_lens[s] - q_len_s + i. `scale` defaults to 1/sqrt(head_dim).
+
+    Returns out [total_query_tokens, num_heads, head_dim] in q's dtype (into `out` if given).
+    Needs no scratch and no host sync, so it can be captured in a CUDA graph as is.
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    total_tokens, num_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache (kv heads {num_kv_heads}, head_dim {head_dim})")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries")
+    cfg = config or prefill_config(head_dim, q.dtype)
+    if out is None:
+        out = torch.empty_like(q)
+    if total_tokens == 0 or num_seqs == 0:
+        return out
+    num_tiles = total_tokens // cfg.block_m + num_seqs
+    _paged_prefill_kernel[(num_heads, num_tiles)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        default_scale(head_dim, scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_seqs,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=DOT_PRECISION,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

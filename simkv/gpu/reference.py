@@ -1,0 +1,84 @@
+"""Plain torch reference implementations of the paged-cache kernels (same signatures).
+
+Each sequence's blocks are gathered into a contiguous [context, num_kv_heads, head_dim] tensor and
+attention is computed with an explicit softmax, in float32 (float64 when q is float64). Slow and
+obviously correct: the kernels are tested against these, and the engine's CPU path runs them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first `context_len` tokens of one sequence's K or V: [context_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, heads, dim]
+    return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, heads, dim] at `positions` over k, v [context, kv_heads, dim]; causal by position."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    keys = torch.arange(k.shape[0], device=q.device)
+    visible = keys[None, :] <= positions[:, None]  # [n, context]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    """Reference decode: out[s] = softmax(q[s] · K_s / √d) V_s over the first seq_lens[s] tokens."""
+    dtype = _compute_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    for s in range(q.shape[0]):
+        context = int(seq_lens[s])
+        k = gather_context(k_cache, block_tables[s], context).to(dtype)
+        v = gather_context(v_cache, block_tables[s], context).to(dtype)
+        position = torch.tensor([context - 1], device=q.device)
+        out[s] = _attend(q[s : s + 1].to(dtype), k, v, position, scale)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None):
+    """Reference prefill: causal attention of each sequence's new tokens over its whole context."""
+    dtype = _compute_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    for s in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        if end == start:
+            continue
+        context = int(seq_lens[s])
+        k = gather_context(k_cache, block_tables[s], context).to(dtype)
+        v = gather_context(v_cache, block_tables[s], context).to(dtype)
+        positions = torch.arange(context - (end - start), context, device=q.device)
+        out[start:end] = _attend(q[start:end].to(dtype), k, v, positions, scale).to(q.dtype)
+    return out
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    """Reference write: cache[slot // block_size, slot % block_size] = token; negative slots skipped."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache[slots // block_size, slots % block_size] = key[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = value[keep].to(v_cache.dtype)
+
+
+def copy_blocks(k_cache, v_cache, block_mapping):
+    """Reference block copy: cache[dst] = cache[src] for each (src, dst) row."""
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    k_cache[dst] = k_cache[src]
+    v_cache[dst] = v_cache[src]

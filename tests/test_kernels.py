@@ -1,0 +1,231 @@
+"""The paged-cache kernels match the torch reference (simkv.gpu.reference).
+
+Without a GPU they run under Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
+first imported), so shapes stay small. Every check draws fresh random data, poisons outputs
+with NaN first, and compares by relative Frobenius error against the fp32 reference.
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from simkv.gpu import reference  # noqa: E402
+from simkv.gpu.kernels import (  # noqa: E402
+    INTERPRET,
+    PrefillConfig,
+    copy_blocks,
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+)
+from simkv.gpu.swap import HostSwapSpace, swap_in, swap_out  # noqa: E402
+
+if INTERPRET:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "output has NaN (unwritten or bad softmax)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_paged(gen, lens, block_size, num_kv_heads, head_dim, dtype, spare_blocks=3):
+    """Random K/V caches holding len(lens) sequences in shuffled blocks, and their block tables."""
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * max_blocks + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    order = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks]
+    block_tables = order.view(len(lens), max_blocks).to(torch.int32).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, block_tables, seq_lens
+
+
+def check_decode(seed, lens, block_size, num_kv_heads, group, head_dim, dtype, num_splits=None, scale=None):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, num_splits=num_splits)
+    ref = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, scale)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_lengths_around_the_block_size(block_size, dtype):
+    lens = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
+    check_decode(1, lens, block_size, num_kv_heads=2, group=4, head_dim=64, dtype=dtype)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_gqa_ratios(group):
+    check_decode(2, [37, 70], 16, num_kv_heads=2, group=group, head_dim=64, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_head_dim_128(dtype):
+    check_decode(3, [3, 130], 32, num_kv_heads=1, group=4, head_dim=128, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_split_k_merge_gives_the_same_answer(num_splits):
+    # 7 splits over a 40-token sequence leaves some splits empty; they must weigh nothing.
+    check_decode(4, [40, 1, 300], 16, num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_decode_large_blocks(block_size):
+    check_decode(5, [1, block_size + 1, 2 * block_size], block_size, 1, 2, 64, torch.float32)
+
+
+def test_decode_custom_scale():
+    check_decode(6, [20, 33], 16, num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32, scale=0.3)
+
+
+def test_decode_one_token_returns_its_value_exactly():
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, [1, 1], 16, 2, 64, torch.float32)
+    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE) * 100  # large scores: no overflow either
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    first_value = v_cache[block_tables[:, 0].long(), 0]  # [2, kv_heads, dim]
+    torch.testing.assert_close(out, first_value.repeat_interleave(4, dim=1))
+
+
+def check_prefill(seed, q_lens, cached, block_size, num_kv_heads, group, head_dim, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [q + c for q, c in zip(q_lens, cached)]
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    config = SMALL_PREFILL if INTERPRET else None
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out=out, config=config)
+    ref = reference.paged_prefill_attention(
+        q.float(), k_cache.float(), v_cache.float(), block_tables, query_start_loc, seq_lens
+    )
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_without_cached_prefix(dtype):
+    check_prefill(10, [1, 15, 16, 17, 40], [0] * 5, 16, num_kv_heads=2, group=4, head_dim=64, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_over_a_cached_prefix(dtype):
+    # chunked prefill / prefix-cache hits: the chunk attends to all cached tokens and causally to itself
+    check_prefill(11, [5, 33, 1, 20], [16, 7, 50, 0], 8, num_kv_heads=2, group=4, head_dim=64, dtype=dtype)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_prefill_gqa_ratios_and_head_dim_128(group):
+    check_prefill(12, [18, 3], [5, 30], 16, num_kv_heads=1, group=group, head_dim=128, dtype=torch.float32)
+
+
+def test_prefill_skips_sequences_with_no_new_tokens():
+    check_prefill(13, [0, 9, 0], [4, 12, 3], 16, num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32)
+
+
+def test_reshape_and_cache_writes_slots_and_skips_negative_ones():
+    gen = torch.Generator().manual_seed(20)
+    num_blocks, block_size, heads, dim = 6, 8, 3, 64  # 3 heads: not a power of two
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(DEVICE)
+    key = torch.randn(5, heads, dim, generator=gen).to(DEVICE)
+    value = torch.randn(5, heads, dim, generator=gen).to(DEVICE)
+    slots = torch.tensor([0, 13, -1, 47, 9], dtype=torch.int64, device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+    reference.reshape_and_cache(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache[13 // 8, 13 % 8], key[1])
+
+
+def test_reshape_and_cache_casts_to_the_cache_dtype():
+    gen = torch.Generator().manual_seed(21)
+    k_cache = torch.zeros(2, 16, 2, 64, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(2, 2, 64, generator=gen).to(DEVICE)
+    reshape_and_cache(key, -key, k_cache, v_cache, torch.tensor([17, 3], device=DEVICE))
+    assert torch.equal(k_cache[1, 1], key[0].half()) and torch.equal(v_cache[0, 3], -key[1].half())
+
+
+def test_copy_blocks_copies_whole_blocks_and_nothing_else():
+    gen = torch.Generator().manual_seed(30)
+    k_cache = torch.randn(8, 16, 2, 64, generator=gen).to(DEVICE)
+    v_cache = torch.randn(8, 16, 2, 64, generator=gen).to(DEVICE)
+    mapping = torch.tensor([[1, 5], [2, 7], [1, 0]], dtype=torch.int64, device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    copy_blocks(k_cache, v_cache, mapping)
+    reference.copy_blocks(k_ref, v_ref, mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache[5], k_cache[1]) and torch.equal(v_cache[7], v_cache[2])
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_swap_out_then_in_restores_blocks_in_any_host_order(stacked):
+    gen = torch.Generator().manual_seed(40)
+    layers, num_blocks = 3, 10
+    stack = torch.randn(layers, 2, num_blocks, 4, 2, 16, generator=gen).to(DEVICE)
+    caches = stack if stacked else [(stack[i, 0], stack[i, 1]) for i in range(layers)]
+    space = HostSwapSpace.allocate(6, caches)
+    mapping = [(7, 4), (2, 0), (3, 1), (9, 5)]  # host runs 0-1 and 4-5
+    original = stack.clone()
+    swap_out(caches, space, mapping)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    for dev, host in mapping:
+        assert torch.equal(space.blocks[host].to(DEVICE), original[:, :, dev])
+    stack[:, :, [7, 2, 3, 9]] = 0.0
+    swap_in(caches, space, [(8, 4), (2, 0), (3, 1), (9, 5)])  # device block 7 comes back as 8
+    assert torch.equal(stack[:, :, 8], original[:, :, 7])
+    assert torch.equal(stack[:, :, [2, 3, 9]], original[:, :, [2, 3, 9]])
+
+
+def test_decode_writes_into_caller_buffers():
+    # what CUDA-graph capture needs: preallocated out and workspace, no allocation inside
+    from simkv.gpu.kernels import decode_workspace_numel
+
+    gen = torch.Generator().manual_seed(50)
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, [9, 50], 16, 1, 64, torch.float32)
+    q = torch.randn(2, 4, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    workspace = torch.full((decode_workspace_numel(2, 4, 64, 3),), float("nan"), device=DEVICE)
+    result = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, workspace=workspace, num_splits=3)
+    assert result is out
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_reference_runs_in_float64():
+    gen = torch.Generator().manual_seed(51)
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, [5, 12], 4, 1, 16, torch.float64)
+    q = torch.randn(2, 2, 16, generator=gen, dtype=torch.float64).to(DEVICE)
+    out = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert out.dtype == torch.float64
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    # decode is prefill with one new token per sequence
+    prefill = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens)
+    torch.testing.assert_close(prefill, out, rtol=1e-12, atol=1e-12)
+
+
+def test_single_sequence_decode_and_prefill():
+    check_decode(60, [45], 16, num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32, num_splits=3)
+    check_prefill(61, [7], [20], 16, num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32)
