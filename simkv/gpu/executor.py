@@ -1,0 +1,517 @@
+"""GpuExecutor: carries out one StepPlan on the sample model and returns the sampled tokens.
+
+    outputs = executor.execute(plan)      # {seq_id: token id}, greedy
+
+Per step: swap-outs, copy-on-write block copies and swap-ins are applied first (in that order: a
+block freed by a swap-out may be a copy's destination in the same step; `_order_swap_outs` has
+the one exception), then one forward over the flattened batch, then greedy sampling (argmax of
+the last token's logits) for every sequence whose chunk reaches the end of its known tokens. Inputs (token ids, positions, slot mapping, block
+tables, varlen metadata) are built on the host with numpy and sent in one copy per dtype.
+
+Decode-only steps run as CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64,
+128, 256, up to max_num_seqs), with static input buffers (block tables included) at fixed
+addresses, updated in place; `enforce_eager=True` turns graphs off.
+
+Debug mode `SIMKV_POISON_FREED=1` (or `poison=True`): after every step the engine overwrites the
+K/V of every free block that the prefix cache cannot hit (swapped-out blocks included) with NaN,
+the destinations of copies and swap-ins are overwritten with NaN just before they are written, and
+any NaN reaching the hidden states or logits raises: a stale block table, a missed copy-on-write or
+a lost swap cannot go unnoticed.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from simkv.gpu.model import AttentionMetadata, LlamaModel
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def poison_enabled() -> bool:
+    return os.environ.get("SIMKV_POISON_FREED", "") not in ("", "0", "false", "False")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Triton compiles a kernel variant per pointer alignment (16 bytes or not) and per integer
+# argument equal to 1 or divisible by 16. Arrays packed into one upload start 16-byte aligned and
+# block tables are padded to a multiple of 16 columns, so that a run meets a handful of variants,
+# all compiled by `warmup()`, instead of compiling (for ~1 s) in the middle of a measured step.
+ALIGN_BYTES = 16
+TABLE_WIDTH_MULTIPLE = 16
+
+
+class _Staging:
+    """A growable host buffer (pinned on CUDA) and its device copy, one per integer dtype."""
+
+    def __init__(self, dtype, device):
+        self.dtype = dtype
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(0, dtype=dtype)
+
+    def upload(self, arrays: list) -> list:
+        """Pack host arrays into one buffer, copy it to the device once; returns device views."""
+        align = ALIGN_BYTES // self.host.element_size()
+        sizes = [len(a) for a in arrays]
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += _cdiv(n, align) * align
+        if self.host.numel() < total:
+            self.host = torch.empty(max(total, 2 * self.host.numel(), 1024), dtype=self.dtype,
+                                    pin_memory=self.pinned)
+        view = self.host.numpy()
+        for a, n, offset in zip(arrays, sizes, offsets):
+            view[offset:offset + n] = a
+        if self.device.type == "cuda":
+            dev = self.host[:total].to(self.device, non_blocking=True)
+        else:
+            dev = self.host[:total].clone()
+        return [dev[offset:offset + n] for n, offset in zip(sizes, offsets)]
+
+
+class GpuExecutor:
+    """The sample model and its paged KV cache on one device; `execute(plan)` runs a step."""
+
+    def __init__(self, model_spec, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 device: str | None = None, dtype=None, attention: str | None = None,
+                 enforce_eager: bool = False, seed: int = 0, *, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
+                 poison: bool | None = None, profile_memory: bool = True):
+        """`device` 'cuda' | 'cpu' (default: cuda when available); `dtype` default bfloat16 on
+        CUDA, float64 on CPU; `attention` 'triton' | 'reference' (default: triton on CUDA,
+        reference on CPU; triton on CPU needs TRITON_INTERPRET=1). `num_host_blocks` bounds the swap space
+        (allocated as needed). `max_model_len` sizes the graphs' block tables."""
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        is_cuda = self.device.type == "cuda"
+        if dtype is None:
+            dtype = torch.bfloat16 if is_cuda else torch.float64
+        if isinstance(dtype, str):
+            dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                     "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+                     "fp64": torch.float64, "float64": torch.float64}[dtype]
+        if attention is None:
+            attention = "triton" if is_cuda else "reference"
+        if attention == "triton":
+            if dtype == torch.float64:
+                raise ValueError("the Triton kernels take float32/16-bit caches; float64 needs "
+                                 "attention='reference'")
+            if not is_cuda and not _interpreting():
+                raise ValueError("attention='triton' on CPU needs TRITON_INTERPRET=1 set before "
+                                 "triton is imported")
+        self.spec = model_spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.dtype = dtype
+        self.attention = attention
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or model_spec.max_position_embeddings
+        self.poison = poison_enabled() if poison is None else poison
+        self.last_gpu_s = float("nan")     # CUDA-event span of the last execute (see execute)
+        self.last_prep_s = 0.0             # host input preparation inside that span
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+        from simkv.gpu.ledger import MemoryLedger
+        self.ledger = MemoryLedger(self.device) if is_cuda else None
+        self.model = LlamaModel(model_spec, self.device, dtype, seed, attention)
+        self.weight_bytes = self.model.weight_bytes
+        if self.ledger:
+            self.ledger.snapshot("weights")
+        self.profile = {}
+        if is_cuda and profile_memory:
+            self.profile = self.profile_activation(max_num_batched_tokens, max_num_seqs)
+            self.ledger.snapshot("profile")
+        if is_cuda:
+            self._check_fits(num_blocks)
+        self.caches = self.model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_pool_bytes = self.caches.numel() * self.caches.element_size()
+        if self.ledger:
+            self.ledger.snapshot("kv_pool")
+        self.swap_space = None
+        self._i64 = _Staging(torch.int64, self.device)
+        self._i32 = _Staging(torch.int32, self.device)
+        self.graphs: dict = {}
+        self.use_graphs = is_cuda and not enforce_eager and attention == "triton"
+        if is_cuda and attention == "triton":
+            self.warmup()
+            torch.cuda.empty_cache()
+            self.ledger.snapshot("warmup")
+        if self.use_graphs:
+            self._capture_graphs()
+            self.ledger.snapshot("graphs")
+        if self.ledger:
+            self.ledger.reset_peak()
+
+    # -- setup --------------------------------------------------------------------------------
+    def _check_fits(self, num_blocks: int) -> None:
+        bytes_per_block = (2 * self.spec.num_layers * self.block_size * self.spec.num_kv_heads
+                           * self.spec.head_dim * torch.finfo(self.dtype).bits // 8)
+        need = num_blocks * bytes_per_block
+        free, _ = torch.cuda.mem_get_info(self.device)
+        workspace = self.profile.get("peak_bytes", 0)
+        headroom = 1 << 30   # graphs, staging, allocator slack
+        if need + workspace + headroom > free:
+            raise MemoryError(
+                f"the KV pool of {num_blocks} blocks needs {need / 2**30:.1f} GiB, the workspace "
+                f"{workspace / 2**30:.1f} GiB and ~1 GiB for graphs; {free / 2**30:.1f} GiB is "
+                "free on the device: lower cache.gpu_memory_utilization or set "
+                "cache.num_gpu_blocks_override")
+
+    def profile_activation(self, num_tokens: int, num_seqs: int) -> dict:
+        """Peak workspace of forwards over `num_tokens` and `num_tokens // 2` tokens (one prefill
+        chunk each, `num_seqs` sampled rows) above the tensors alive before them, in bytes; the
+        temporary cache the forward writes into is excluded. Returns base + per-token fit."""
+        peaks = {}
+        for tokens in (num_tokens, max(1, num_tokens // 2)):
+            blocks = _cdiv(tokens, self.block_size)
+            cache = self.model.allocate_kv_cache(blocks, self.block_size)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            dev = self.device
+            ids = torch.randint(0, self.spec.vocab_size, (tokens,), device=dev)
+            pos = torch.arange(tokens, device=dev)
+            meta = AttentionMetadata(
+                slot_mapping=pos.clone(), num_prefill_tokens=tokens,
+                prefill_block_tables=torch.arange(blocks, device=dev, dtype=torch.int32)[None],
+                prefill_query_start_loc=torch.tensor([0, tokens], device=dev, dtype=torch.int32),
+                prefill_seq_lens=torch.tensor([tokens], device=dev, dtype=torch.int32))
+            rows = torch.arange(max(0, tokens - num_seqs), tokens, device=dev)
+            with torch.inference_mode():
+                self.model.forward(ids, pos, meta, cache, rows).float().argmax(-1)
+            torch.cuda.synchronize(self.device)
+            peaks[tokens] = torch.cuda.max_memory_allocated(self.device) - base
+            del cache, ids, pos, meta, rows
+            torch.cuda.empty_cache()
+        (t1, p1), (t2, p2) = sorted(peaks.items())
+        per_token = (p2 - p1) / (t2 - t1) if t2 != t1 else 0.0
+        return {"peak_bytes": int(max(p1, p2)), "tokens": int(t2),
+                "activation_bytes_per_batched_token": float(per_token),
+                "activation_base_bytes": float(max(0.0, p2 - per_token * t2))}
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile every Triton variant an eager (prefill or mixed) step can meet: prefill over
+        1, 2 and 16 sequences (integer 1 and multiples of 16 are specialised), decodes with one
+        and several splits. Writes into cache blocks, so call it before any request runs."""
+        from types import SimpleNamespace
+
+        from simkv.core.plan import ScheduledSeq
+        bs, n = self.block_size, self.num_blocks
+        vocab = self.spec.vocab_size
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        many = _cdiv(4 * sms, self.spec.num_kv_heads)     # enough rows for a single split
+
+        def item(start: int, count: int) -> ScheduledSeq:
+            total = start + count
+            seq = SimpleNamespace(token_ids=[i % vocab for i in range(total)], num_tokens=total,
+                                  block_table=[b % n for b in range(_cdiv(total, bs))], seq_id=0)
+            return ScheduledSeq(seq, start, count, count == 1)
+
+        for num_prefill, num_decode in ((1, 2), (2, many), (16, 1)):
+            self._run_eager([item(0, 8) for _ in range(num_prefill)],
+                            [item(511, 1) for _ in range(num_decode)])
+        torch.cuda.synchronize(self.device)
+
+    def _graph_buckets(self) -> list:
+        top = min(self.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        buckets = [b for b in GRAPH_BATCH_SIZES if b < top]
+        return buckets + [top]
+
+    def _graph_buffers(self) -> None:
+        """Static inputs of the decode graphs: fixed addresses, updated in place every step."""
+        dev = self.device
+        spec = self.spec
+        buckets = self._graph_buckets()
+        top = buckets[-1]
+        width = _cdiv(self.max_model_len, self.block_size)
+        pinned = dev.type == "cuda"
+        self.g_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
+        self.g_i64[2].fill_(-1)           # warm-up and capture write nothing into the cache
+        self.g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.g_tables = torch.zeros((top, width), dtype=torch.int32, device=dev)
+        self.g_tables_stage = torch.empty(top * width, dtype=torch.int32, device=dev)
+        self.h_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
+        self.h_seq_lens = torch.ones(top, dtype=torch.int32, pin_memory=pinned)
+        self.h_tables = torch.zeros(top * width, dtype=torch.int32, pin_memory=pinned)
+        self.g_workspace = None
+        if self.attention == "triton" and dev.type == "cuda":
+            from simkv.gpu import kernels
+            cfg = kernels.decode_config(self.block_size, spec.head_dim, self.dtype)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            need = max(kernels.decode_workspace_numel(
+                b, spec.num_heads, spec.head_dim,
+                kernels.decode_num_splits(b, spec.num_kv_heads, width * self.block_size,
+                                          cfg.tile, sms)) for b in buckets)
+            self.g_workspace = torch.empty(max(need, 1), dtype=torch.float32, device=dev)
+
+    def _graph_step(self, b: int):
+        """The decode step of batch `b` over the static buffers: returns (logits, tokens)."""
+        meta = AttentionMetadata(slot_mapping=self.g_i64[2, :b], num_prefill_tokens=0,
+                                 decode_block_tables=self.g_tables[:b],
+                                 decode_seq_lens=self.g_seq_lens[:b],
+                                 decode_workspace=self.g_workspace)
+
+        def step():
+            logits = self.model.forward(self.g_i64[0, :b], self.g_i64[1, :b], meta, self.caches)
+            return logits, logits.argmax(-1)
+        return step
+
+    def _capture_graphs(self) -> None:
+        dev = self.device
+        self._graph_buffers()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self._graph_buckets()):   # largest first: the others reuse its pool
+            step = self._graph_step(b)
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):        # compiles every kernel this shape needs
+                    step()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                logits, tokens = step()
+            self.graphs[b] = (graph, logits, tokens)
+        torch.cuda.synchronize(dev)
+
+    # -- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan, kv=None) -> dict:
+        """Run `plan`: memory operations, then the forward; returns {seq_id: greedy token}.
+
+        `kv` (the scheduler's KV manager, optional) orders a swap-out after a copy-on-write in
+        the one case the plan's lists cannot express (see `_order_swap_outs`).
+
+        Afterwards `last_gpu_s` is the CUDA-event span from the first memory operation to the
+        sampled tokens on the host: the host input preparation, the forward, sampling and the
+        copy back (wall time on CPU); `last_prep_s` is the host input preparation inside it,
+        during which the device has at most the memory operations to do."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            start_evt = torch.cuda.Event(enable_timing=True)
+            end_evt = torch.cuda.Event(enable_timing=True)
+            start_evt.record()
+        else:
+            t0 = time.perf_counter()
+        self._apply_memory_ops(plan, kv)
+        outputs = {}
+        self.last_prep_s = 0.0
+        if plan.scheduled:
+            prefill = [it for it in plan.scheduled if it.num_tokens > 1]
+            single = [it for it in plan.scheduled if it.num_tokens == 1]
+            if not prefill and self.use_graphs and len(single) <= self._graph_buckets()[-1]:
+                tokens, rows = self._run_graph(single), range(len(single))
+                ordered = single
+                self.num_graph_steps += 1
+            else:
+                ordered = prefill + single
+                tokens, rows = self._run_eager(prefill, single)
+                self.num_eager_steps += 1
+            for row, token in zip(rows, tokens):
+                item = ordered[row]
+                if item.start + item.num_tokens == item.seq.num_tokens:
+                    outputs[item.seq.seq_id] = token
+        if cuda:
+            end_evt.record()
+            end_evt.synchronize()
+            self.last_gpu_s = start_evt.elapsed_time(end_evt) / 1e3
+        else:
+            self.last_gpu_s = time.perf_counter() - t0
+        return outputs
+
+    def _apply_memory_ops(self, plan, kv=None) -> None:
+        from simkv.gpu import swap
+        # With poisoning, a copy's or swap-in's destination (possibly an evicted cache block with
+        # finite, stale K/V) is poisoned just before it is written, so that a copy or swap-in
+        # that does not happen cannot go unnoticed. Not earlier: a swap-out may read it first.
+        early, late = _order_swap_outs(plan, kv)
+        if early:
+            self._ensure_host_capacity(1 + max(h for _, h in early))
+            swap.swap_out(self.caches, self.swap_space, early)
+        if plan.block_copies:
+            if self.poison:
+                self._poison([d for _, d in plan.block_copies])
+            mapping = torch.tensor(plan.block_copies, dtype=torch.int64).to(self.device)
+            attn = self.model.attn
+            for layer in range(self.caches.shape[0]):
+                attn.copy_blocks(self.caches[layer, 0], self.caches[layer, 1], mapping)
+        if late:
+            self._ensure_host_capacity(1 + max(h for _, h in late))
+            swap.swap_out(self.caches, self.swap_space, late)
+        if plan.swap_in:
+            if self.poison:
+                self._poison([d for _, d in plan.swap_in])
+            swap.swap_in(self.caches, self.swap_space, [(d, h) for h, d in plan.swap_in])
+
+    def _ensure_host_capacity(self, blocks: int) -> None:
+        """Grow the host swap space to hold host block ids < `blocks` (the host pool hands out
+        the lowest ids first, so the space stays as small as the peak of swapped blocks)."""
+        from simkv.gpu.swap import HostSwapSpace
+        have = 0 if self.swap_space is None else self.swap_space.num_blocks
+        if blocks <= have:
+            return
+        if self.num_host_blocks and blocks > self.num_host_blocks:
+            raise RuntimeError(f"host block {blocks - 1} is beyond the swap space of "
+                               f"{self.num_host_blocks} blocks")
+        size = max(blocks, 2 * have, 16)
+        if self.num_host_blocks:
+            size = min(size, self.num_host_blocks)
+        space = HostSwapSpace.allocate(size, self.caches)
+        if have:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # earlier swap copies are asynchronous
+            space.blocks[:have].copy_(self.swap_space.blocks)
+        self.swap_space = space
+
+    def _host_inputs(self, items):
+        """Per item: token ids, positions, cache slots, block-table row, context and query length."""
+        bs = self.block_size
+        ids, pos, slots, tables, seq_lens, q_lens = [], [], [], [], [], []
+        for it in items:
+            seq = it.seq
+            start, n = it.start, it.num_tokens
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            p = np.arange(start, start + n, dtype=np.int64)
+            ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table[:_cdiv(start + n, bs)])
+            seq_lens.append(start + n)
+            q_lens.append(n)
+        return ids, pos, slots, tables, seq_lens, q_lens
+
+    @staticmethod
+    def _pad_tables(tables: list) -> np.ndarray:
+        width = _cdiv(max(len(t) for t in tables), TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+        out = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            out[i, :len(t)] = t
+        return out
+
+    def _run_eager(self, prefill: list, single: list):
+        t0 = time.perf_counter()
+        ids, pos, slots, tables, seq_lens, q_lens = self._host_inputs(prefill + single)
+        num_p = len(prefill)
+        num_prefill_tokens = int(sum(q_lens[:num_p]))
+        ends = np.cumsum([0] + q_lens)
+        rows = ends[1:] - 1                          # last token of every item
+        i64 = [np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), rows]
+        i32 = []
+        if num_p:
+            pt = self._pad_tables(tables[:num_p])
+            i32 += [pt.ravel(), ends[:num_p + 1], np.asarray(seq_lens[:num_p])]
+        if single:
+            dt = self._pad_tables(tables[num_p:])
+            i32 += [dt.ravel(), np.asarray(seq_lens[num_p:])]
+        d_ids, d_pos, d_slots, d_rows = self._i64.upload(i64)
+        d32 = self._i32.upload(i32)
+        meta = AttentionMetadata(slot_mapping=d_slots, num_prefill_tokens=num_prefill_tokens)
+        if num_p:
+            meta.prefill_block_tables = d32[0].view(num_p, -1)
+            meta.prefill_query_start_loc = d32[1]
+            meta.prefill_seq_lens = d32[2]
+            d32 = d32[3:]
+        if single:
+            meta.decode_block_tables = d32[0].view(len(single), -1)
+            meta.decode_seq_lens = d32[1]
+        self.last_prep_s = time.perf_counter() - t0
+        logits = self.model.forward(d_ids, d_pos, meta, self.caches, d_rows,
+                                    check_finite=self.poison)
+        self._check_logits(logits)
+        return logits.argmax(-1).tolist(), range(len(rows))
+
+    def _run_graph(self, single: list) -> list:
+        t0 = time.perf_counter()
+        n = len(single)
+        b = next(b for b in self._graph_buckets() if b >= n)
+        bs = self.block_size
+        h = self.h_i64.numpy()
+        lens = self.h_seq_lens.numpy()
+        width = 1
+        table_rows = []
+        for j, it in enumerate(single):
+            seq = it.seq
+            p = it.start
+            table = seq.block_table
+            h[0, j] = seq.token_ids[p]
+            h[1, j] = p
+            h[2, j] = table[p // bs] * bs + p % bs
+            lens[j] = p + 1
+            row = table[:p // bs + 1]
+            table_rows.append(row)
+            width = max(width, len(row))
+        h[0, n:b] = 0
+        h[1, n:b] = 0
+        h[2, n:b] = -1                     # padding rows write nothing
+        lens[n:b] = 1
+        flat = self.h_tables.numpy()[:n * width].reshape(n, width)
+        for j, row in enumerate(table_rows):
+            flat[j, :len(row)] = row
+        self.g_i64.copy_(self.h_i64, non_blocking=True)
+        self.g_seq_lens.copy_(self.h_seq_lens, non_blocking=True)
+        stage = self.g_tables_stage[:n * width]
+        stage.copy_(self.h_tables[:n * width], non_blocking=True)
+        self.g_tables[:n, :width].copy_(stage.view(n, width))
+        graph, logits, tokens = self.graphs[b]
+        self.last_prep_s = time.perf_counter() - t0
+        graph.replay()
+        if self.poison:
+            self._check_logits(logits[:n])
+        return tokens[:n].tolist()
+
+    def _check_logits(self, logits: torch.Tensor) -> None:
+        if self.poison and not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError("NaN logits: a forward read a freed, swapped-out or "
+                                     "never-written KV slot (SIMKV_POISON_FREED)")
+
+    # -- debug --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def poison_free_blocks(self, kv) -> int:
+        """Overwrite with NaN the K/V of every free block the prefix cache cannot hit (no hash);
+        returns how many. Call after `finish_step`. No-op for managers without a block pool."""
+        pool = getattr(kv, "pool", None)
+        if pool is None:
+            return 0
+        block_hash = pool.block_hash
+        blocks = [b for b in pool.free_queue if block_hash[b] is None]
+        self._poison(blocks)
+        return len(blocks)
+
+    def _poison(self, blocks: list) -> None:
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
+            self.caches.index_fill_(2, index, float("nan"))
+
+
+def _order_swap_outs(plan, kv) -> tuple:
+    """Split `plan.swap_out` into the pairs applied before the block copies and those after.
+
+    Swap-outs normally come first: a block a victim gives up may become a copy's destination in
+    the same step. But a request can also preempt itself (swap mode) after one of its sequences
+    got a copy-on-write this step; its swap-out of that destination must see the copy. That
+    destination is then free once scheduling is over, which tells the two cases apart (given
+    the KV manager); its last swap-out goes after the copies.
+    """
+    if not (plan.block_copies and plan.swap_out) or getattr(kv, "pool", None) is None:
+        return plan.swap_out, []
+    free = kv.pool.free_queue
+    last = {device: i for i, (device, _) in enumerate(plan.swap_out)}
+    late = {last[dst] for _, dst in plan.block_copies if dst in last and dst in free}
+    if not late:
+        return plan.swap_out, []
+    return ([p for i, p in enumerate(plan.swap_out) if i not in late],
+            [plan.swap_out[i] for i in sorted(late)])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

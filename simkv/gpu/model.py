@@ -1,0 +1,394 @@
+"""A Llama-family decoder with deterministic random weights, over a paged KV cache.
+
+RMSNorm, RoPE (rope_scaling: default, linear, llama3), grouped-query attention through the paged
+kernels (`simkv.gpu.kernels`) or their torch reference (`simkv.gpu.reference`), SwiGLU MLP;
+Qwen2's q/k/v biases and Qwen3's per-head q/k norms. Nothing is downloaded: weights are drawn
+from a seeded generator on the target device, scaled so that activations stay O(1) through the
+layers (projections ~ 1/sqrt(fan_in); the two projections that write into the residual stream
+are further scaled by 1/sqrt(2 * num_layers)).
+
+One forward covers a flattened batch: prefill chunks first (rows [0, P)), then single-token
+queries (rows [P, T)). Each layer writes the K/V of *all* this step's tokens into the cache before
+any attention, so a sequence may read blocks that another sequence of the same step computes
+(two identical prompts admitted together share blocks through the prefix cache).
+
+The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+(`caches[l, 0]` is layer l's K, `caches[l, 1]` its V: the layout `simkv.gpu.swap` moves).
+
+With the Triton backend the elementwise work (residual add + RMSNorm, RoPE, SiLU-and-mul) runs in
+small fused Triton kernels, so a decode step is ~10 launches per layer; with the reference
+backend (CPU, float64) it is plain torch.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------
+# Attention backends: the kernels or the torch reference, behind the same four calls.
+
+
+class TritonAttention:
+    """`simkv.gpu.kernels` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+    fused_elementwise = True
+
+    def __init__(self):
+        from simkv.gpu import kernels
+        self.kernels = kernels
+
+    def write(self, key, value, k_cache, v_cache, slot_mapping):
+        self.kernels.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out):
+        self.kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                             seq_lens, out=out)
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None):
+        self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out,
+                                            workspace=workspace)
+
+    def copy_blocks(self, k_cache, v_cache, block_mapping):
+        self.kernels.copy_blocks(k_cache, v_cache, block_mapping)
+
+
+class ReferenceAttention:
+    """`simkv.gpu.reference`: slow, exact (float64 on CPU)."""
+
+    name = "reference"
+    fused_elementwise = False
+
+    def __init__(self):
+        from simkv.gpu import reference
+        self.ref = reference
+
+    def write(self, key, value, k_cache, v_cache, slot_mapping):
+        self.ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out):
+        out.copy_(self.ref.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                   query_start_loc, seq_lens))
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None):
+        out.copy_(self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens))
+
+    def copy_blocks(self, k_cache, v_cache, block_mapping):
+        self.ref.copy_blocks(k_cache, v_cache, block_mapping)
+
+
+def make_attention(name: str):
+    if name == "triton":
+        return TritonAttention()
+    if name == "reference":
+        return ReferenceAttention()
+    raise ValueError(f"attention must be 'triton' or 'reference', got {name!r}")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what they attend to (device tensors).
+
+    Rows [0, num_prefill_tokens) of the batch are prefill chunks (varlen, `query_start_loc`),
+    rows [num_prefill_tokens, num_tokens) one query token per sequence.
+    """
+
+    slot_mapping: torch.Tensor                        # int64 [num_tokens]; -1 = padding
+    num_prefill_tokens: int = 0
+    prefill_block_tables: Optional[torch.Tensor] = None  # int32 [num_prefill_seqs, blocks]
+    prefill_query_start_loc: Optional[torch.Tensor] = None  # int32 [num_prefill_seqs + 1]
+    prefill_seq_lens: Optional[torch.Tensor] = None      # int32 [num_prefill_seqs]
+    decode_block_tables: Optional[torch.Tensor] = None   # int32 [num_decode_seqs, blocks]
+    decode_seq_lens: Optional[torch.Tensor] = None       # int32 [num_decode_seqs]
+    decode_workspace: Optional[torch.Tensor] = None      # float32 scratch (CUDA graphs)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE frequencies
+
+
+def rope_inv_freq(spec, dtype=torch.float64) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] of the model's RoPE, rope_scaling applied (CPU).
+
+    Supported `rope_type`s: default, linear, llama3 (transformers' formulas); others raise.
+    """
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(f"{spec.name}: rope_scaling type {kind!r} is not supported by the sample "
+                         "model (default, linear, llama3)")
+    return inv_freq.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused elementwise Triton kernels (Triton backend only)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_delta, stride_out,
+                         n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x = x + tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
+        x_stored = x.to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + offs, x_stored, mask=mask)
+        x = x_stored.to(tl.float32)   # normalise what the residual stream holds
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (x * inv_rms * w).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_tok, num_heads,
+                 HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.float32)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_i = tl.arange(0, HALF_PAD)
+    inv_freq = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
+    angle = pos * inv_freq
+    cos = tl.cos(angle)[None, :]
+    sin = tl.sin(angle)[None, :]
+    mask = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
+    ptr = x_ptr + tok * stride_tok + offs_h[:, None] * (2 * HALF) + offs_i[None, :]
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor        # [hidden]
+    qkv: torch.Tensor               # [(H + 2 KH) * D, hidden]
+    o: torch.Tensor                 # [hidden, H * D]
+    post_norm: torch.Tensor         # [hidden]
+    gate_up: torch.Tensor           # [2 * intermediate, hidden]
+    down: torch.Tensor              # [hidden, intermediate]
+    qkv_bias: Optional[torch.Tensor] = None   # Qwen2
+    q_norm: Optional[torch.Tensor] = None     # Qwen3: [D]
+    k_norm: Optional[torch.Tensor] = None
+
+
+class LlamaModel:
+    """The decoder. `forward` returns logits of the requested rows; caches are passed in."""
+
+    def __init__(self, spec, device="cpu", dtype=torch.float64, seed: int = 0,
+                 attention: str = "reference"):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.attn = make_attention(attention) if isinstance(attention, str) else attention
+        self.fused = self.attn.fused_elementwise
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.hidden_size = spec.hidden_size
+        self.eps = float(spec.rms_norm_eps)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        self.inv_freq = rope_inv_freq(spec).to(device=self.device, dtype=compute)
+        self._init_weights(seed)
+
+    # -- weights ------------------------------------------------------------------------------
+    def _randn(self, seed: int, name: str, shape, std: float) -> torch.Tensor:
+        """Standard normal × std, drawn on the model's device from a per-tensor seed."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & ((1 << 63) - 1))
+        w = torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
+        return w.mul_(std).to(self.dtype)
+
+    def _init_weights(self, seed: int) -> None:
+        s = self.spec
+        H, KH, D, hidden, inter = s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_size, \
+            s.intermediate_size
+        residual_scale = 1.0 / math.sqrt(2 * s.num_layers)
+        ones = lambda n: torch.ones(n, device=self.device, dtype=self.dtype)  # noqa: E731
+        self.embed = self._randn(seed, "embed", (s.vocab_size, hidden), 1.0)
+        self.layers = []
+        for i in range(s.num_layers):
+            p = f"layers.{i}."
+            layer = LayerWeights(
+                input_norm=ones(hidden),
+                qkv=self._randn(seed, p + "qkv", ((H + 2 * KH) * D, hidden), hidden ** -0.5),
+                o=self._randn(seed, p + "o", (hidden, H * D), (H * D) ** -0.5 * residual_scale),
+                post_norm=ones(hidden),
+                gate_up=self._randn(seed, p + "gate_up", (2 * inter, hidden), hidden ** -0.5),
+                down=self._randn(seed, p + "down", (hidden, inter), inter ** -0.5 * residual_scale),
+            )
+            if s.architecture == "Qwen2ForCausalLM":
+                layer.qkv_bias = self._randn(seed, p + "qkv_bias", ((H + 2 * KH) * D,), 0.1)
+            if s.architecture == "Qwen3ForCausalLM":
+                layer.q_norm, layer.k_norm = ones(D), ones(D)
+            self.layers.append(layer)
+        self.final_norm = ones(hidden)
+        self.lm_head = self.embed if s.tie_word_embeddings else \
+            self._randn(seed, "lm_head", (s.vocab_size, hidden), hidden ** -0.5)
+
+    def parameters(self):
+        """Every weight tensor once (a tied LM head is the embedding)."""
+        seen = {}
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        for t in tensors:
+            seen[t.data_ptr()] = t
+        return list(seen.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parameters())
+
+    # -- caches -------------------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """Zeroed caches [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        return torch.zeros((self.spec.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
+                            self.head_dim), device=self.device, dtype=self.dtype)
+
+    # -- elementwise pieces -------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: Optional[torch.Tensor] = None):
+        """(residual, normed): residual = x + delta (in place on the Triton path), RMSNorm'd."""
+        if self.fused:
+            out = torch.empty_like(x)
+            if x.shape[0]:
+                block = _next_pow2(x.shape[1])
+                _add_rms_norm_kernel[(x.shape[0],)](
+                    x, x if delta is None else delta, weight, out,
+                    x.stride(0), (x if delta is None else delta).stride(0), out.stride(0),
+                    x.shape[1], self.eps, HAS_DELTA=delta is not None, BLOCK=block,
+                    num_warps=8 if block >= 2048 else 4)
+            return x, out
+        if delta is not None:
+            x = x + delta
+        return x, self._rms_norm_torch(x, weight)
+
+    def _rms_norm_torch(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(compute)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * weight.to(compute)).to(x.dtype)
+
+    def _rope(self, qk: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate q and k heads in place; qk [T, num_heads + num_kv_heads, head_dim] (a view)."""
+        half = self.head_dim // 2
+        if self.fused:
+            if qk.shape[0]:
+                _rope_kernel[(qk.shape[0],)](
+                    qk, positions, self.inv_freq, qk.stride(0), qk.shape[1],
+                    HEADS_PAD=_next_pow2(qk.shape[1]), HALF=half, HALF_PAD=_next_pow2(half),
+                    num_warps=4)
+            return
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        x1 = qk[..., :half].to(self.inv_freq.dtype)
+        x2 = qk[..., half:].to(self.inv_freq.dtype)
+        out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        qk[..., :half] = out1.to(qk.dtype)
+        qk[..., half:] = out2.to(qk.dtype)
+
+    def _silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        inter = gu.shape[1] // 2
+        if self.fused:
+            out = torch.empty((gu.shape[0], inter), device=gu.device, dtype=gu.dtype)
+            if gu.shape[0]:
+                block = min(2048, _next_pow2(inter))
+                _silu_and_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+                    gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            return out
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+    # -- forward ------------------------------------------------------------------------------
+    def _attention(self, i: int, layer: LayerWeights, h, positions, meta: AttentionMetadata,
+                   caches) -> torch.Tensor:
+        H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        T = h.shape[0]
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        q = qkv[:, :H * D].view(T, H, D)
+        k = qkv[:, H * D:(H + KH) * D].view(T, KH, D)
+        v = qkv[:, (H + KH) * D:].view(T, KH, D)
+        if layer.q_norm is not None:
+            q.copy_(self._rms_norm_torch(q, layer.q_norm))
+            k.copy_(self._rms_norm_torch(k, layer.k_norm))
+        self._rope(qkv[:, :(H + KH) * D].view(T, H + KH, D), positions)
+        k_cache, v_cache = caches[i, 0], caches[i, 1]
+        self.attn.write(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty((T, H, D), device=h.device, dtype=h.dtype)
+        P = meta.num_prefill_tokens
+        if P:
+            self.attn.prefill(q[:P], k_cache, v_cache, meta.prefill_block_tables,
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out[:P])
+        if T > P:
+            self.attn.decode(q[P:], k_cache, v_cache, meta.decode_block_tables,
+                             meta.decode_seq_lens, out[P:], meta.decode_workspace)
+        return F.linear(out.view(T, H * D), layer.o)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                caches: torch.Tensor, sample_rows: Optional[torch.Tensor] = None,
+                check_finite: bool = False) -> torch.Tensor:
+        """Logits [rows, vocab] (model dtype) of `sample_rows` (all rows when None).
+
+        input_ids, positions int64 [T]; the step's K/V are written into `caches`. With
+        `check_finite`, raises if any hidden state of the batch is NaN/inf (poisoning debug mode).
+        """
+        layers = self.layers
+        x = F.embedding(input_ids, self.embed)
+        x, h = self._norm(x, layers[0].input_norm)
+        for i, layer in enumerate(layers):
+            a = self._attention(i, layer, h, positions, meta, caches)
+            x, h = self._norm(x, layer.post_norm, a)
+            m = F.linear(self._silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            x, h = self._norm(x, layers[i + 1].input_norm if i + 1 < len(layers)
+                              else self.final_norm, m)
+        if check_finite and not bool(torch.isfinite(h).all()):
+            raise FloatingPointError("non-finite hidden states: a forward read a freed, "
+                                     "swapped-out or never-written KV slot")
+        if sample_rows is not None:
+            h = h.index_select(0, sample_rows)
+        return F.linear(h, self.lm_head)
