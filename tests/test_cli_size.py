@@ -1,8 +1,12 @@
 """`simkv size` end to end, and the command line's entry points."""
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE_KEYS = {"model", "gpu", "block_size", "kv_dtype", "bytes_per_token", "bytes_per_block",
@@ -10,18 +14,30 @@ SIZE_KEYS = {"model", "gpu", "block_size", "kv_dtype", "bytes_per_token", "bytes
              "kv_pool_bytes", "num_blocks", "max_cached_tokens", "source"}
 
 
-def run(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=120)
+def run(*argv: str, cwd: Path = REPO, profiles: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if profiles is not None:
+        env["SIMKV_PROFILES"] = str(profiles)
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
-def size_json(*args: str) -> dict:
-    result = run("-m", "simkv.cli", "size", *args, "--json")
+@pytest.fixture
+def specs_only(tmp_path):
+    """A profiles folder with the bundled specs but no measured profile: sizes are estimates."""
+    shutil.copytree(REPO / "profiles" / "models", tmp_path / "models")
+    shutil.copy(REPO / "profiles" / "gpus.yaml", tmp_path / "gpus.yaml")
+    return tmp_path
+
+
+def size_json(*args: str, profiles: Path | None = None) -> dict:
+    result = run("-m", "simkv.cli", "size", *args, "--json", profiles=profiles)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
-def test_size_json_reports_llama_8b_at_block_16():
-    out = size_json("--model", "llama-3.1-8b", "--block-size", "16")
+def test_size_json_reports_llama_8b_at_block_16(specs_only):
+    out = size_json("--model", "llama-3.1-8b", "--block-size", "16", profiles=specs_only)
     assert SIZE_KEYS <= set(out)
     assert (out["model"], out["gpu"], out["block_size"], out["kv_dtype"]) == ("llama-3.1-8b", "h200", 16, "bf16")
     assert out["bytes_per_token"] == 131_072
@@ -45,8 +61,14 @@ def test_size_json_with_an_explicit_budget():
     assert out["memory_budget_bytes"] == 20 * 1024**3
 
 
-def test_size_prints_a_table_without_json():
-    result = run("-m", "simkv.cli", "size", "--model", "llama-3.1-8b")
+def test_size_uses_the_committed_h200_profile():
+    out = size_json("--model", "llama-3.1-8b", "--block-size", "16")
+    assert out["source"] == "profile"
+    assert out["num_blocks"] == out["kv_pool_bytes"] // out["bytes_per_block"]
+
+
+def test_size_prints_a_table_without_json(specs_only):
+    result = run("-m", "simkv.cli", "size", "--model", "llama-3.1-8b", profiles=specs_only)
     assert result.returncode == 0, result.stderr
     assert "131,072" in result.stdout and "2 MiB" in result.stdout and "estimate" in result.stdout
 

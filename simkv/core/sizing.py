@@ -75,6 +75,7 @@ class Sizing:
     source: str                    # "profile" | "estimate"
     ledger: dict[str, Any] = field(default_factory=dict)
     num_host_blocks: int = 0       # blocks of host swap space (cache.swap_space_gib)
+    ledger_file: Optional[str] = None  # the measured ledger used (source "profile")
 
     @property
     def needed_bytes(self) -> int:
@@ -152,8 +153,15 @@ def size_pool(
             + profile["activation_bytes_per_batched_token"] * scheduler.max_num_batched_tokens
         )
         other = int(profile["other_bytes"])
-        other_parts = {"other_bytes": other}
-        ledger_meta = {k: v for k, v in profile.items() if k not in PROFILE_LEDGER_KEYS}
+        # The measured breakdown of `other` when the profile gives one that adds up, else one part.
+        parts = profile.get("other_parts")
+        if isinstance(parts, dict) and parts and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in parts.values()) \
+                and sum(parts.values()) == other:
+            other_parts = {k: int(v) for k, v in parts.items()}
+        else:
+            other_parts = {"other_bytes": other}
+        ledger_file = profile["path"]
     else:
         source = "estimate"
         weights = model.weight_bytes(WEIGHT_DTYPE_BYTES)
@@ -164,7 +172,7 @@ def size_pool(
             "allocator_slack_bytes": ALLOCATOR_SLACK_BYTES,
         }
         other = sum(other_parts.values())
-        ledger_meta = {}
+        ledger_file = None
 
     kv_pool = budget - weights - activation - other
     if cache.num_gpu_blocks_override is not None:
@@ -183,7 +191,6 @@ def size_pool(
         **other_parts,
         "kv_blocks_bytes": kv_blocks,
         "kv_pool_remainder_bytes": kv_pool - kv_blocks,
-        **ledger_meta,
     }
     return Sizing(
         model=model.name,
@@ -202,6 +209,7 @@ def size_pool(
         source=source,
         ledger=ledger,
         num_host_blocks=int(cache.swap_space_gib * GIB) // bytes_per_block,
+        ledger_file=ledger_file,
     )
 
 
