@@ -1,0 +1,791 @@
+"""Fit the profiled step-cost model from a profile's raw CSVs (numpy only; no torch, no scipy).
+
+The device work of a forward step of N batched tokens on a given block size (seconds):
+
+    G = T_lin(N_eff)                                  linear layers, LM head, launches: values
+                                                      at token knots (never decreasing), linear
+                                                      in between
+      + a_dec(B) * decode_context_tokens              decode attention (KV read); a_dec one
+                                                      value, or interpolated between batch knots
+      + a_long * longest_program_tokens               decode kernel's busiest program: context
+                                                      of the longest sequence / its splits
+      + a_pf  * prefill_attention_pairs               prefill attention work (causal q-k pairs)
+      + a_ctx * prefill_context_tokens                prefill attention's KV read
+      + c_seq * num_seqs                              per-sequence input building, sampling
+      + c_eager * [step runs eagerly]
+
+N_eff is N, or the CUDA-graph batch size a decode-only step is padded to. A graphed step takes
+G. An eager step launches every kernel from Python, so when its device work is small the host
+is the bottleneck: it takes max(G, h0 + h_seq * num_seqs). The attention terms are fitted per
+block size; T_lin and the host terms either per block size or shared by all of them, whichever
+cross-validates better (CANDIDATES). Fitting is non-negative least squares on relative error,
+alternating between the two regimes of eager steps. Block copies and host<->device swaps are
+fitted separately as `c0 + c_block * blocks + c_byte * bytes`.
+
+Held-out step compositions are chosen by a rule on the design (never on measured times) before
+any fitting and listed in the fit; `holdout_error` is the relative error on them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from simkv.errors import InputError
+
+FIT_FORMAT = "simkv-fit/1"
+STEP_COLUMNS = (
+    "id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
+    "num_decode_seqs", "decode_context_tokens", "prefill_context_tokens",
+    "prefill_attention_pairs", "decode_max_context", "graph", "time_s",
+)
+TRANSFER_COLUMNS = ("block_size", "num_blocks", "bytes", "time_s")
+TOKEN_KNOTS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BATCH_KNOTS = (1, 16, 256)
+LOG_BATCH_KNOTS = tuple(math.log2(k) for k in BATCH_KNOTS)
+FORMS = {   # name -> decode attention's per-token cost interpolated between batch knots
+    "base": False,
+    "batch": True,
+}
+# form/sharing, simplest first: "shared" fits one linear-layer curve and one set of host terms
+# for all block sizes (only attention terms per block size); "per_block_size" fits all per size.
+CANDIDATES = ("base/shared", "batch/shared", "base/per_block_size", "batch/per_block_size")
+HOLDOUT_EVERY = 5           # every 5th composition of each family (by design order) ...
+HOLDOUT_MIXED_ROW = 32      # ... and every mixed composition with this many decodes
+HOLDOUT_RULE = (f"per block size and family, in design order: every {HOLDOUT_EVERY}th composition "
+                f"(index % {HOLDOUT_EVERY} == {HOLDOUT_EVERY - 1}); plus every mixed composition "
+                f"with {HOLDOUT_MIXED_ROW} decode sequences")
+CV_FOLDS = 5
+SIG_DIGITS = 6
+
+
+# ----------------------------------------------------------------------------------------------
+# Small numerics
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None,
+         start: np.ndarray | None = None) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson & Hanson's active-set method, on the normal
+    equations: the subproblems are as small as the number of columns). `start`: a guess of the
+    positive coefficients (a boolean mask), used when its unconstrained solution is positive."""
+    n = a.shape[1]
+    gram, atb = a.T @ a, a.T @ b
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = atb.copy()
+    tol = 1e-10 * max(1.0, float(np.abs(atb).max(initial=0.0)))
+
+    def solve(mask):
+        z = np.zeros(n)
+        sub, rhs = gram[np.ix_(mask, mask)], atb[mask]
+        try:
+            zp = np.linalg.solve(sub, rhs)
+            r = sub @ zp - rhs
+            if np.isfinite(zp).all() and r @ r <= 1e-16 * (rhs @ rhs):
+                z[mask] = zp
+                return z
+        except np.linalg.LinAlgError:
+            pass
+        z[mask] = np.linalg.lstsq(sub, rhs, rcond=1e-12)[0]   # collinear columns
+        return z
+
+    if start is not None and start.any():
+        z = solve(start)
+        if (z[start] > 0).all():
+            passive, x = start.copy(), z
+            w = atb - gram @ x
+    for _ in range(max_iter or 3 * n + 30):
+        if passive.all() or (w[~passive] <= tol).all():
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = solve(passive)
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-300
+            x[~passive] = 0.0
+        w = atb - gram @ x
+    return x
+
+
+def solve_relative(x: np.ndarray, t: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative coefficients minimising the sum of squared relative errors of x @ c vs t
+    (`start`: the coefficients expected to be positive, a warm start)."""
+    a = x / t[:, None]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(a / scale, np.ones(len(t)), start=start) / scale
+
+
+def hats(value: float, knots, extrapolate: bool = True) -> list:
+    """Linear-interpolation weights of `value` on increasing `knots`.
+
+    Below the first knot the first knot's value holds; above the last one the last segment is
+    extended (or the last value holds, with `extrapolate=False`).
+    """
+    k = len(knots)
+    w = [0.0] * k
+    if k == 1 or value <= knots[0]:
+        w[0] = 1.0
+        return w
+    if value >= knots[-1] and not extrapolate:
+        w[-1] = 1.0
+        return w
+    i = 1
+    while i < k - 1 and value > knots[i]:
+        i += 1
+    f = (value - knots[i - 1]) / (knots[i] - knots[i - 1])
+    w[i - 1] = 1.0 - f
+    w[i] = f
+    return w
+
+
+def _round(value: float, digits: int = SIG_DIGITS) -> float:
+    if value == 0 or not math.isfinite(value):
+        return float(value)
+    return float(f"{value:.{digits}g}")
+
+
+def rel_error_summary(pred, meas) -> dict:
+    """{median, p95, max, count} of |pred - meas| / meas."""
+    pred, meas = np.asarray(pred, float), np.asarray(meas, float)
+    if len(meas) == 0:
+        return {"median": None, "p95": None, "max": None, "count": 0}
+    err = np.abs(pred - meas) / meas
+    return {"median": round(float(np.median(err)), 4),
+            "p95": round(float(np.percentile(err, 95)), 4),
+            "max": round(float(err.max()), 4), "count": int(len(err))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a profile
+
+
+def read_csv(path: Path, columns) -> pd.DataFrame:
+    """A raw CSV with the given required columns (InputError naming the file and column)."""
+    if not path.is_file():
+        raise InputError(f"{path}: missing (a profile directory holds steps.csv, swap.csv, "
+                         "copy.csv and meta.json from `simkv profile`)")
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a readable CSV ({' '.join(str(e).split())})") from None
+    for col in columns:
+        if col not in df.columns:
+            raise InputError(f"{path}: missing column '{col}' (needs {', '.join(columns)})")
+    numeric = [c for c in columns if c not in ("id", "family", "direction")]
+    bad = df[numeric].apply(pd.to_numeric, errors="coerce").isna().any()
+    if bad.any():
+        raise InputError(f"{path}: column '{bad[bad].index[0]}' has empty or non-numeric values")
+    return df
+
+
+def read_meta(profile_dir: Path) -> dict:
+    path = Path(profile_dir) / "meta.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+
+
+def holdout_mask(steps: pd.DataFrame) -> np.ndarray:
+    """Which rows are held out: the rule in HOLDOUT_RULE, applied to the design order only."""
+    held = np.zeros(len(steps), dtype=bool)
+    for _, idx in steps.groupby(["block_size", "family"], sort=False).groups.items():
+        for rank, i in enumerate(idx):
+            if rank % HOLDOUT_EVERY == HOLDOUT_EVERY - 1:
+                held[steps.index.get_loc(i)] = True
+    mixed_row = (steps["family"] == "mixed") & (steps["num_decode_seqs"] == HOLDOUT_MIXED_ROW)
+    return held | mixed_row.to_numpy()
+
+
+# ----------------------------------------------------------------------------------------------
+# Step features and prediction (shared with ProfiledCostModel)
+
+
+def token_knots_for(max_tokens: int) -> list:
+    """TOKEN_KNOTS up to the first one at or above `max_tokens`."""
+    knots = []
+    for k in TOKEN_KNOTS:
+        knots.append(k)
+        if k >= max_tokens:
+            break
+    return knots
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
+    captured CUDA-graph batch sizes, and the decode kernel's split rule (it splits each
+    sequence's context over programs so that about 4 programs run per SM; the longest program
+    bounds the kernel when one sequence is much longer than the rest)."""
+
+    token_knots: tuple
+    graph_batch_sizes: tuple = ()
+    sm_count: int = 0            # 0: unknown; the longest program is the longest sequence
+    num_kv_heads: int = 1
+    decode_tile: int = 64        # tokens per decode-kernel loop iteration
+    max_model_len: int = 0       # graphed block tables are this wide
+
+    def rows(self, num_tokens: int, graph: bool) -> int:
+        """Rows the linear layers compute: a graphed batch is padded to its captured size."""
+        if graph:
+            for size in self.graph_batch_sizes:
+                if size >= num_tokens:
+                    return size
+        return num_tokens
+
+    def longest_program_tokens(self, num_decode_seqs: int, max_context: int, graph: bool,
+                               block_size: int) -> int:
+        """Context tokens the decode kernel's busiest program reads (0 without decodes)."""
+        if not num_decode_seqs:
+            return 0
+        tile = self.decode_tile
+        if not self.sm_count:
+            return max_context
+        if graph:
+            batch = self.rows(num_decode_seqs, True)
+            width = -(-self.max_model_len // block_size) * block_size
+        else:
+            batch = num_decode_seqs
+            width = -(-max_context // block_size) * block_size
+        max_tiles = max(1, -(-width // tile))
+        want = -(-4 * self.sm_count // (batch * self.num_kv_heads))
+        splits = max(1, min(want, max_tiles // 2 if max_tiles >= 4 else max_tiles, 256))
+        return -(-(-(-max_context // tile)) // splits) * tile
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
+    """The StepLayout of a profile (meta.json), with documented defaults for older profiles."""
+    shape = meta.get("model_shape") or {}
+    head_dim = int(shape.get("head_dim", 128))
+    tile = meta.get("decode_tile") or (64 if head_dim <= 128 and meta.get("dtype", "bfloat16")
+                                       in ("bfloat16", "float16") else 32)
+    max_len = meta.get("max_model_len")
+    if not max_len and meta.get("model"):
+        try:
+            from simkv.core.specs import load_model
+            max_len = load_model(meta["model"]).max_position_embeddings
+        except InputError:
+            max_len = 0
+    return StepLayout(token_knots=tuple(token_knots_for(max_tokens)),
+                      graph_batch_sizes=tuple(sorted(int(b) for b in
+                                                     meta.get("graph_batch_sizes") or [])),
+                      sm_count=int(meta.get("sm_count") or 0),
+                      num_kv_heads=int(shape.get("num_kv_heads", 1)),
+                      decode_tile=int(tile), max_model_len=int(max_len or 0))
+
+
+def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
+    """The row of the device-work design matrix for one step (a mapping of STEP_COLUMNS)."""
+    n = f["num_prefill_tokens"] + f["num_decode_tokens"]
+    graph = bool(f["graph"])
+    row = hats(layout.rows(n, graph), layout.token_knots)
+    b = f["num_decode_seqs"]
+    ctx = f["decode_context_tokens"]
+    if FORMS[form]:
+        row += [ctx * w for w in hats(math.log2(max(b, 1)), LOG_BATCH_KNOTS, False)]
+    else:
+        row.append(ctx)
+    row += [layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size),
+            f["prefill_attention_pairs"], f["prefill_context_tokens"],
+            f["num_decode_seqs"] + f["num_prefill_seqs"], 0.0 if graph else 1.0]
+    return row
+
+
+def coef_names(form: str, token_knots) -> list:
+    names = [f"t_linear_s@{k}" for k in token_knots]
+    names += [f"a_decode_s_per_token@b{k}" for k in BATCH_KNOTS] if FORMS[form] \
+        else ["a_decode_s_per_token"]
+    return names + ["a_decode_longest_s_per_token", "a_prefill_s_per_pair",
+                    "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s", "host_floor_s",
+                    "host_floor_s_per_seq"]
+
+
+def pack_step_coefs(c, h, form: str, token_knots) -> dict:
+    """Coefficient vectors (device work, host floor) -> the auditable dict in fit.json."""
+    k = len(token_knots)
+    c = np.asarray(c, float).copy()
+    c[:k] = np.cumsum(c[:k])           # increments -> T_lin at each knot
+    c = [_round(float(v)) for v in c]
+    j = k + (len(BATCH_KNOTS) if FORMS[form] else 1)
+    return {"t_linear_s": c[:k], "a_decode_s_per_token": c[k:j],
+            "a_decode_longest_s_per_token": c[j],
+            "a_prefill_s_per_pair": c[j + 1], "a_prefill_ctx_s_per_token": c[j + 2],
+            "c_seq_s": c[j + 3], "c_eager_s": c[j + 4],
+            "host_floor_s": _round(float(h[0])), "host_floor_s_per_seq": _round(float(h[1]))}
+
+
+def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
+    """Seconds of one forward step from packed coefficients (see the module docstring)."""
+    n = f["num_prefill_tokens"] + f["num_decode_tokens"]
+    if n == 0:
+        return 0.0
+    graph = bool(f["graph"])
+    b = f["num_decode_seqs"]
+    seqs = b + f["num_prefill_seqs"]
+    seconds = sum(w * v for w, v in zip(hats(layout.rows(n, graph), layout.token_knots),
+                                        coefs["t_linear_s"]))
+    a_dec = coefs["a_decode_s_per_token"]
+    if len(a_dec) == 1:
+        seconds += a_dec[0] * f["decode_context_tokens"]
+    elif b:
+        w = hats(math.log2(b), LOG_BATCH_KNOTS, False)
+        seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * f["decode_context_tokens"]
+    seconds += coefs.get("a_decode_longest_s_per_token", 0.0) * \
+        layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size)
+    seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
+    seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
+    seconds += coefs["c_seq_s"] * seqs
+    if graph:
+        return seconds
+    seconds += coefs["c_eager_s"]
+    return max(seconds, coefs["host_floor_s"] + coefs["host_floor_s_per_seq"] * seqs)
+
+
+def _design(df: pd.DataFrame, form: str, layout: StepLayout, block_size: int) -> tuple:
+    """(device-work matrix, host-floor matrix, eager mask) of a frame of steps."""
+    rows = df[list(STEP_COLUMNS[2:-1])].to_dict("records")
+    x = np.array([feature_row(r, form, layout, block_size) for r in rows], float)
+    # T_lin never falls as tokens grow: fit its non-negative increments between knots
+    # (column i = the weight on knots i and above); pack_step_coefs sums them back.
+    k = len(layout.token_knots)
+    x[:, :k] = np.cumsum(x[:, :k][:, ::-1], axis=1)[:, ::-1]
+    seqs = (df["num_decode_seqs"] + df["num_prefill_seqs"]).to_numpy(float)
+    hx = np.column_stack([np.ones(len(df)), seqs])
+    return x, hx, df["graph"].to_numpy() == 0
+
+
+def _predict_rows(x, hx, eager, c, h) -> np.ndarray:
+    gpu = x @ c
+    return np.where(eager, np.maximum(gpu, hx @ h), gpu)
+
+
+def _alternate(x, hx, t, eager, host, max_iter: int = 40) -> tuple:
+    """From an assignment of eager rows to the host floor: fit `c` on the device-bound rows and
+    `h` on the host-bound ones, re-assign each eager row to the larger term, repeat. Returns
+    (RMS relative error, c, h) of the best assignment seen (stops when the assignment settles
+    or 8 rounds bring no improvement)."""
+    best = None
+    c = np.zeros(x.shape[1])
+    h = np.zeros(hx.shape[1])
+    for _ in range(max_iter):
+        c = solve_relative(x[~host], t[~host], c > 0) if (~host).any() else np.zeros(x.shape[1])
+        h = solve_relative(hx[host], t[host], h > 0) if host.any() else np.zeros(hx.shape[1])
+        pred = _predict_rows(x, hx, eager, c, h)
+        score = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+        if best is None or score < best[0] - 1e-12:
+            best, stale = (score, c, h), 0
+        else:
+            stale += 1
+        new = eager & (hx @ h > x @ c)
+        if (new == host).all() or stale >= 8:     # settled, or cycling without improving
+            break
+        host = new
+    return best
+
+
+def _fit_rows(x, hx, t, eager) -> tuple:
+    """(device-work coefficients, host-floor coefficients) of `t = max(x c, hx h)` for eager
+    rows and `t = x c` for graphed ones, by alternating least squares from several starts (none,
+    or the fastest 20, 40 or 60% of eager rows taken as host-bound); the start with the
+    smallest RMS relative error wins."""
+    starts = [np.zeros(len(t), bool)]
+    if eager.any():
+        for q in (20, 40, 60):
+            starts.append(eager & (t <= np.percentile(t[eager], q)))
+    best = min((_alternate(x, hx, t, eager, host) for host in starts), key=lambda r: r[0])
+    return best[1], best[2]
+
+
+def _cv_errors(x, hx, t, eager, fold) -> np.ndarray:
+    """Relative errors of a deterministic CV_FOLDS-fold cross-validation (`fold` per row)."""
+    err = np.empty(len(t))
+    for k in range(CV_FOLDS):
+        test = fold == k
+        c, h = _fit_rows(x[~test], hx[~test], t[~test], eager[~test])
+        err[test] = np.abs(_predict_rows(x[test], hx[test], eager[test], c, h) - t[test]) / t[test]
+    return err
+
+
+def _joint_design(steps: pd.DataFrame, form: str, sharing: str, layout: StepLayout,
+                  block_sizes: list) -> tuple:
+    """Design matrices of all block sizes at once. With `sharing == "shared"` the linear-layer
+    curve, the per-sequence, eager and host-floor terms are one set for every block size (they
+    do not depend on it) and only the attention terms are per block size; otherwise every
+    term is. Returns (x, hx, eager, rows of `steps` in order, fold, unpack) where
+    unpack(c, h, i) gives block size i's (device-work, host-floor) coefficients."""
+    k, nbs = len(layout.token_knots), len(block_sizes)
+    parts = [_design(steps[steps["block_size"] == bs], form, layout, bs) for bs in block_sizes]
+    p = parts[0][0].shape[1]
+    m = p - k - 2                               # attention columns
+    xs, hxs = [], []
+    for i, (x, hx, _) in enumerate(parts):
+        if sharing == "shared":
+            big = np.zeros((len(x), k + nbs * m + 2))
+            big[:, :k] = x[:, :k]
+            big[:, k + i * m:k + (i + 1) * m] = x[:, k:k + m]
+            big[:, -2:] = x[:, -2:]
+            hbig = hx
+        else:
+            big = np.zeros((len(x), nbs * p))
+            big[:, i * p:(i + 1) * p] = x
+            hbig = np.zeros((len(x), 2 * nbs))
+            hbig[:, 2 * i:2 * i + 2] = hx
+        xs.append(big)
+        hxs.append(hbig)
+    rows = np.concatenate([np.flatnonzero((steps["block_size"] == bs).to_numpy())
+                           for bs in block_sizes])
+    fold = np.concatenate([np.arange(len(x)) % CV_FOLDS for x, _, _ in parts])
+
+    def unpack(c, h, i):
+        if sharing == "shared":
+            return np.concatenate([c[:k], c[k + i * m:k + (i + 1) * m], c[-2:]]), h
+        return c[i * p:(i + 1) * p], h[2 * i:2 * i + 2]
+
+    return (np.vstack(xs), np.vstack(hxs), np.concatenate([e for _, _, e in parts]), rows,
+            fold, unpack)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transfers: swaps and block copies
+
+
+def fit_transfer(df: pd.DataFrame) -> dict:
+    """`time_s = c0_s + c_block_s * num_blocks + c_byte_s * bytes`, non-negative, relative LSQ."""
+    x = np.column_stack([np.ones(len(df)), df["num_blocks"].to_numpy(float),
+                         df["bytes"].to_numpy(float)])
+    t = df["time_s"].to_numpy(float)
+    c = solve_relative(x, t)
+    out = {"c0_s": _round(c[0]), "c_block_s": _round(c[1]), "c_byte_s": _round(c[2])}
+    pred = x @ np.array([out["c0_s"], out["c_block_s"], out["c_byte_s"]])
+    big = df["bytes"].to_numpy(float) >= np.percentile(df["bytes"], 75)
+    out["bandwidth_bytes_per_s"] = _round(float(np.median(df["bytes"][big] / df["time_s"][big])), 4)
+    out["error"] = rel_error_summary(pred, t)
+    return out
+
+
+def transfer_seconds(coefs: dict, num_blocks: int, bytes_per_block: float) -> float:
+    if num_blocks == 0:
+        return 0.0
+    return coefs["c0_s"] + coefs["c_block_s"] * num_blocks \
+        + coefs["c_byte_s"] * num_blocks * bytes_per_block
+
+
+# ----------------------------------------------------------------------------------------------
+# The fit
+
+
+def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
+    """Fit the step model of every block size; choose the form by cross-validation on the
+    training rows (the held-out rows are never seen before the final error)."""
+    steps = steps.reset_index(drop=True)
+    held = holdout_mask(steps)
+    layout = layout_from_meta(meta or {}, int((steps["num_prefill_tokens"]
+                                               + steps["num_decode_tokens"]).max()))
+    token_knots = list(layout.token_knots)
+    block_sizes = sorted(int(b) for b in steps["block_size"].unique())
+    t_all = steps["time_s"].to_numpy(float)
+
+    train = steps[~held].reset_index(drop=True)
+    t_train = train["time_s"].to_numpy(float)
+    cv = {}
+    for name in CANDIDATES:
+        form, sharing = name.split("/")
+        x, hx, eager, rows, fold, _ = _joint_design(train, form, sharing, layout, block_sizes)
+        errs = _cv_errors(x, hx, t_train[rows], eager, fold)
+        cv[name] = {"median": round(float(np.median(errs)), 4),
+                    "p95": round(float(np.percentile(errs, 95)), 4),
+                    "rms": round(float(np.sqrt(np.mean(errs ** 2))), 4)}
+    # The simplest candidate whose CV RMS error is within 5% (relative) of the best one.
+    best = min(v["rms"] for v in cv.values())
+    chosen = next(n for n in CANDIDATES if cv[n]["rms"] <= best * 1.05 + 1e-12)
+    form, sharing = chosen.split("/")
+
+    x, hx, eager, rows, _, unpack = _joint_design(train, form, sharing, layout, block_sizes)
+    c_all, h_all = _fit_rows(x, hx, t_train[rows], eager)
+    per_bs = {}
+    pred = np.empty(len(steps))
+    regime = np.empty(len(steps), dtype=object)
+    for i, bs in enumerate(block_sizes):
+        coefs = pack_step_coefs(*unpack(c_all, h_all, i), form, token_knots)
+        per_bs[str(bs)] = coefs
+        no_floor = dict(coefs, host_floor_s=0.0, host_floor_s_per_seq=0.0)
+        for j in np.flatnonzero((steps["block_size"] == bs).to_numpy()):
+            row = steps.loc[j]
+            pred[j] = predict_step(coefs, row, layout, bs)
+            regime[j] = "graphed" if row["graph"] else (
+                "eager_at_host_floor" if pred[j] > predict_step(no_floor, row, layout, bs)
+                else "eager")
+
+    def summary(mask):
+        out = rel_error_summary(pred[mask], t_all[mask])
+        family = steps["family"].to_numpy()
+        out["by_family"] = {fam: rel_error_summary(pred[mask & (family == fam)],
+                                                   t_all[mask & (family == fam)])
+                            for fam in sorted(set(family))}
+        out["by_block_size"] = {str(bs): rel_error_summary(
+            pred[mask & (steps["block_size"] == bs).to_numpy()],
+            t_all[mask & (steps["block_size"] == bs).to_numpy()]) for bs in block_sizes}
+        # graphed decode steps; eager steps; eager steps the fitted host floor decides
+        out["by_regime"] = {r: rel_error_summary(pred[mask & (regime == r)],
+                                                 t_all[mask & (regime == r)])
+                            for r in ("graphed", "eager", "eager_at_host_floor")}
+        return out
+
+    return {
+        "form": form,
+        "sharing": sharing,
+        "block_sizes": block_sizes,
+        "token_knots": token_knots,
+        "batch_knots": list(BATCH_KNOTS) if FORMS[form] else [],
+        "graph_batch_sizes": list(layout.graph_batch_sizes),
+        "layout": layout.to_json(),
+        "coefficient_names": coef_names(form, token_knots),
+        "step": per_bs,
+        "holdout": {"rule": HOLDOUT_RULE,
+                    "ids": sorted(set(steps.loc[held, "id"].astype(str))),
+                    "rows": int(held.sum())},
+        "holdout_error": summary(held),
+        "train_error": summary(~held),
+        "form_selection": {"method": f"{CV_FOLDS}-fold cross-validation (fold = position in "
+                                     f"the design % {CV_FOLDS}) on training rows only; the "
+                                     "simplest candidate within 5% of the best RMS relative "
+                                     "error",
+                           "candidates": list(CANDIDATES), "cv_error": cv, "chosen": chosen},
+    }
+
+
+def fit_profile(profile_dir, out=None) -> dict:
+    """Fit `profile_dir`'s raw CSVs; write `fit.json` into `out` (default: `profile_dir`).
+
+    Returns the fit as a dict (the content of fit.json). Deterministic: refitting the same CSVs
+    gives the same file (coefficients rounded to 6 significant digits, errors to 4 decimals).
+    """
+    profile_dir = Path(profile_dir)
+    if not profile_dir.is_dir():
+        raise InputError(f"{profile_dir}: not a directory (give a profile directory written by "
+                         "`simkv profile`)")
+    meta = read_meta(profile_dir)
+    steps = read_csv(profile_dir / "steps.csv", STEP_COLUMNS)
+    if steps.empty:
+        raise InputError(f"{profile_dir / 'steps.csv'}: no rows")
+    fit = {"format": FIT_FORMAT,
+           "gpu": meta.get("gpu", profile_dir.parent.name),
+           "model": meta.get("model", profile_dir.name),
+           "dtype": meta.get("dtype", "bfloat16"),
+           "kv_dtype": meta.get("kv_dtype", "bf16"),
+           "formula": ("G = T_lin(N_eff) + a_dec(B) * decode_context_tokens + a_long * "
+                       "longest_program_tokens + a_pf * "
+                       "prefill_attention_pairs + a_ctx * prefill_context_tokens + c_seq * "
+                       "num_seqs + c_eager * [eager]; graphed decode step: t = G; eager step: "
+                       "t = max(G, host_floor + host_floor_per_seq * num_seqs); plus copies "
+                       "and swaps: c0 + c_block * blocks + c_byte * bytes"),
+           "units": "seconds; token counts; pairs = causal query-key pairs",
+           "source": {"dir": profile_dir.name, "steps_rows": int(len(steps)),
+                      "profiled": meta.get("date"), "command": meta.get("command")}}
+    fit.update(fit_steps(steps, meta))
+    for key in ("model_shape", "kv_bytes_per_token"):
+        if key in meta:
+            fit[key] = meta[key]
+    for name in ("swap", "copy"):
+        path = profile_dir / f"{name}.csv"
+        if not path.is_file():
+            continue
+        df = read_csv(path, TRANSFER_COLUMNS + (("direction",) if name == "swap" else ()))
+        if name == "swap":
+            fit["swap"] = {d: fit_transfer(df[df["direction"] == d])
+                           for d in ("out", "in") if (df["direction"] == d).any()}
+        elif len(df):
+            fit["copy"] = fit_transfer(df)
+    out_dir = Path(out) if out is not None else profile_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fit.json").write_text(json.dumps(fit, indent=1) + "\n")
+    return fit
+
+
+# ----------------------------------------------------------------------------------------------
+# Roofline calibration
+
+
+def _plans_from_steps(steps: pd.DataFrame) -> list:
+    from simkv.core.plan import StepPlan
+    plans = []
+    for r in steps.itertuples(index=False):
+        plan = StepPlan(step=0, now_s=0.0,
+                        scheduled=[None] * int(r.num_prefill_seqs + r.num_decode_seqs),
+                        num_prefill_tokens=int(r.num_prefill_tokens),
+                        num_decode_tokens=int(r.num_decode_tokens),
+                        num_prefill_seqs=int(r.num_prefill_seqs),
+                        decode_context_tokens=int(r.decode_context_tokens),
+                        prefill_context_tokens=int(r.prefill_context_tokens),
+                        prefill_attention_pairs=int(r.prefill_attention_pairs))
+        plans.append(plan)
+    return plans
+
+
+def _profile_specs(profile_dir: Path):
+    from simkv.core.specs import load_gpu, load_model
+    meta = read_meta(profile_dir)
+    model = load_model(meta.get("model", profile_dir.name))
+    gpu = load_gpu(meta.get("gpu", profile_dir.parent.name))
+    return model, gpu, meta
+
+
+GRAPH_MAX_BATCH = 256      # decode-only steps up to this batch run as CUDA graphs
+
+
+def _roofline_terms(model, gpu, steps: pd.DataFrame, kv_dtype="bf16") -> dict:
+    """Per-step raw quantities the roofline model combines, at 100% efficiency (seconds)."""
+    from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
+    ones = RooflineParams(bandwidth_efficiency=1.0, flops_efficiency=1.0,
+                          attention_flops_efficiency=1.0, step_overhead_s=0.0,
+                          per_seq_overhead_s=0.0)
+    m = RooflineCostModel(model, gpu, kv_dtype, 16, ones)
+    tokens = (steps["num_prefill_tokens"] + steps["num_decode_tokens"]).to_numpy(float)
+    sampled = (steps["num_decode_tokens"] + steps["num_prefill_seqs"]).to_numpy(float)
+    flops = 2.0 * (m.dense_params * tokens + m.lm_head_params * sampled)
+    kv = (steps["decode_context_tokens"] + steps["prefill_context_tokens"]).to_numpy(float) \
+        + tokens
+    eager = ((steps["num_prefill_tokens"] > 0)
+             | (steps["num_decode_seqs"] > GRAPH_MAX_BATCH)).to_numpy(float)
+    return {
+        "weight_s": np.full(len(steps), m.weight_bytes / gpu.hbm_bandwidth_bytes_per_s),
+        "flop_s": flops / gpu.bf16_flops_per_s,
+        "kv_s": kv * m.kv_bytes_per_token / gpu.hbm_bandwidth_bytes_per_s,
+        "attn_s": steps["prefill_attention_pairs"].to_numpy(float) * m.attn_flops_per_pair
+        / gpu.bf16_flops_per_s,
+        "seqs": (steps["num_prefill_seqs"] + steps["num_decode_seqs"]).to_numpy(float),
+        "eager": eager,
+        "layers": float(model.num_layers),
+    }
+
+
+def _overhead_columns(q: dict, extended: bool) -> np.ndarray:
+    """Overhead design columns: [attention, per-step, per-seq] or, extended, [attention,
+    per graphed step, per layer of an eager step, per-seq]."""
+    if extended:
+        return np.column_stack([q["attn_s"], 1.0 - q["eager"], q["eager"] * q["layers"],
+                                q["seqs"]])
+    return np.column_stack([q["attn_s"], np.ones(len(q["seqs"])), q["seqs"]])
+
+
+def calibrate_roofline(profile_dir, extended: bool = False) -> dict:
+    """Roofline efficiency factors fitted to a profile's measured step times, with their error.
+
+    Grid search (step 0.01) over the bandwidth and FLOP efficiencies (the roofline's max()
+    makes those non-linear); for each pair the attention efficiency and the overheads are a
+    non-negative least-squares fit of relative error. Returns {"params", "error", "profile",
+    "form"}: params are RooflineParams fields; `extended` adds the proposed form (an eager
+    step's launch overhead per layer, a graphed step's own overhead) whose two new fields,
+    `graph_step_overhead_s` and `eager_overhead_s_per_layer`, RooflineParams does not have
+    yet. host_link_efficiency comes from the profile's measured swap bandwidth.
+    """
+    profile_dir = Path(profile_dir)
+    model, gpu, _ = _profile_specs(profile_dir)
+    steps = read_csv(profile_dir / "steps.csv", STEP_COLUMNS)
+    t = steps["time_s"].to_numpy(float)
+    q = _roofline_terms(model, gpu, steps)
+    x = _overhead_columns(q, extended)
+    best = None
+    grid = np.round(np.arange(0.30, 1.0001, 0.01), 2)
+    for bw in grid:
+        for fl in grid:
+            base = np.maximum(q["weight_s"] / bw, q["flop_s"] / fl) + q["kv_s"] / bw
+            c = nnls(x / t[:, None], (t - base) / t)
+            score = float(np.sqrt(np.mean(((base + x @ c - t) / t) ** 2)))
+            if best is None or score < best[0] - 1e-12:
+                best = (score, bw, fl, c)
+    _, bw, fl, c = best
+    params = {"bandwidth_efficiency": float(bw), "flops_efficiency": float(fl),
+              "attention_flops_efficiency": _round(1.0 / c[0] if c[0] > 1.0 else 1.0, 4)}
+    if extended:
+        params.update(graph_step_overhead_s=_round(float(c[1]), 4),
+                      eager_overhead_s_per_layer=_round(float(c[2]), 4),
+                      per_seq_overhead_s=_round(float(c[3]), 4))
+    else:
+        params.update(step_overhead_s=_round(float(c[1]), 4),
+                      per_seq_overhead_s=_round(float(c[2]), 4))
+    swap = profile_dir / "swap.csv"
+    if swap.is_file():
+        df = read_csv(swap, TRANSFER_COLUMNS)
+        big = df["bytes"] >= df["bytes"].quantile(0.75)
+        bw_host = float(np.median(df["bytes"][big] / df["time_s"][big]))
+        params["host_link_efficiency"] = _round(min(1.0, bw_host / gpu.host_link_bytes_per_s), 4)
+    return {"params": params, "error": roofline_error(params, profile_dir),
+            "profile": profile_dir.name, "form": "roofline+eager" if extended else "roofline"}
+
+
+def roofline_error(params, other_profile_dir) -> dict:
+    """{median, p95, max, count} relative error of the roofline with `params` (a RooflineParams
+    or a dict of its fields) against another profile's measured step times. Params of the
+    extended form (with `eager_overhead_s_per_layer`) are evaluated with that form."""
+    from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
+    other_profile_dir = Path(other_profile_dir)
+    model, gpu, meta = _profile_specs(other_profile_dir)
+    steps = read_csv(other_profile_dir / "steps.csv", STEP_COLUMNS)
+    if isinstance(params, dict) and "eager_overhead_s_per_layer" in params:
+        q = _roofline_terms(model, gpu, steps)
+        bw, fl = params["bandwidth_efficiency"], params["flops_efficiency"]
+        c = np.array([1.0 / params["attention_flops_efficiency"],
+                      params["graph_step_overhead_s"], params["eager_overhead_s_per_layer"],
+                      params["per_seq_overhead_s"]])
+        pred = np.maximum(q["weight_s"] / bw, q["flop_s"] / fl) + q["kv_s"] / bw \
+            + _overhead_columns(q, True) @ c
+        return rel_error_summary(pred, steps["time_s"].to_numpy(float))
+    if isinstance(params, dict):
+        params = RooflineParams(**{k: v for k, v in params.items()
+                                   if k in RooflineParams.__dataclass_fields__})
+    pred, meas = [], []
+    for bs, group in steps.groupby("block_size"):
+        m = RooflineCostModel(model, gpu, meta.get("kv_dtype", "bf16"), int(bs), params)
+        pred += [m.predict(p) for p in _plans_from_steps(group)]
+        meas += group["time_s"].tolist()
+    return rel_error_summary(pred, meas)
+
+
+def write_roofline_calibration(profile_dir, other_profile_dirs=(), out=None) -> dict:
+    """Calibrate the roofline on `profile_dir`, measure its error on the other profiles, and
+    write the result (default `profiles/<gpu>/roofline_calibration.json`); returns it.
+
+    Keys: `calibrated_on` (model), `gpu`, `params` (RooflineParams fields, the form the
+    roofline model has today), `error_on_calibration`, `error` ({model: {median, p95, max,
+    count}} for each other profile), and `proposed`: the same for the extended form (see
+    `calibrate_roofline`).
+    """
+    profile_dir = Path(profile_dir)
+    meta = read_meta(profile_dir)
+    result = {"calibrated_on": meta.get("model", profile_dir.name),
+              "gpu": meta.get("gpu", profile_dir.parent.name)}
+    for key, extended in (("current", False), ("proposed", True)):
+        cal = calibrate_roofline(profile_dir, extended)
+        entry = {"params": cal["params"], "error_on_calibration": cal["error"],
+                 "error": {read_meta(Path(d)).get("model", Path(d).name):
+                           roofline_error(cal["params"], d) for d in other_profile_dirs}}
+        if key == "current":
+            result.update(entry)
+        else:
+            result["proposed"] = dict(entry, formula=(
+                "t = max(weights/(bw*eff_bw), flops/(flops*eff_fl)) + kv_bytes/(bw*eff_bw) + "
+                "attention_flops/(flops*eff_attn) + [graphed] * graph_step_overhead_s + "
+                "[eager] * num_layers * eager_overhead_s_per_layer + per_seq_overhead_s * "
+                f"num_seqs; eager = any prefill token or more than {GRAPH_MAX_BATCH} decodes"))
+    result["method"] = ("grid search (step 0.01) over bandwidth and FLOP efficiencies; attention "
+                        "efficiency and overheads by non-negative least squares on relative "
+                        "error; host_link_efficiency = measured swap bandwidth / spec")
+    path = Path(out) if out is not None else profile_dir.parent / "roofline_calibration.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result

@@ -1,0 +1,279 @@
+"""Profiled step-cost model: `predict(plan) -> seconds` from a fit of real GPU measurements.
+
+The fit (`profiles/<gpu>/<model>/fit.json`, written by `simkv fit`) holds per-block-size
+coefficients of an auditable formula (see `simkv.costmodel.fit`). A block size between two
+profiled ones uses coefficients interpolated linearly in log2(block size); one outside the
+profiled range is refused.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from pathlib import Path
+
+from simkv.core.specs import KV_DTYPE_BYTES, profiles_dir
+from simkv.costmodel.fit import (FIT_FORMAT, LOG_BATCH_KNOTS, StepLayout, hats,
+                                 transfer_seconds)
+from simkv.errors import InputError
+
+STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
+             "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s")
+SHAPE_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+              "intermediate_size", "vocab_size")
+
+
+class BlockSizeNotProfiled(InputError):
+    """The block size lies outside the profile's block sizes (`cost_model: auto` may fall back
+    to the roofline model on this one)."""
+
+
+def find_profile(gpu_name: str, model_name: str) -> Path | None:
+    """`profiles/<gpu>/<model>/fit.json` if it exists, else None."""
+    path = profiles_dir() / str(gpu_name).lower() / str(model_name).lower() / "fit.json"
+    return path if path.is_file() else None
+
+
+def _need(obj, key: str, path: Path, where: str = ""):
+    if not isinstance(obj, dict) or key not in obj:
+        raise InputError(f"{path}: missing key '{where}{key}' (re-run `simkv fit` on the profile)")
+    return obj[key]
+
+
+def _numbers(value, key: str, path: Path) -> list:
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                         or not math.isfinite(v) for v in values):
+        raise InputError(f"{path}: key '{key}' must be a number or a list of numbers, "
+                         f"got {value!r}")
+    return [float(v) for v in values]
+
+
+def _blend(lo: dict, hi: dict, f: float) -> dict:
+    """Coefficients (1 - f) * lo + f * hi, key by key (lists element-wise)."""
+    out = {}
+    for key, a in lo.items():
+        b = hi[key]
+        out[key] = [(1 - f) * x + f * y for x, y in zip(a, b)] if isinstance(a, list) \
+            else (1 - f) * a + f * b
+    return out
+
+
+class ProfiledCostModel:
+    """Step seconds from a fitted profile, for one block size and KV dtype."""
+
+    is_estimate = False
+
+    def __init__(self, fit: dict, path: Path, block_size: int = 16, kv_dtype: str = "bf16",
+                 model=None, gpu=None):
+        self.path = Path(path)
+        self.fit = fit
+        self.block_size = int(block_size)
+        self.kv_dtype = kv_dtype
+        self.notes: list[str] = []
+        self._check(fit, model)
+        gpu_name = fit["gpu"]
+        self.name = f"profile:{gpu_name}/{fit['model']}"
+        if gpu is not None and gpu.name != gpu_name:
+            raise InputError(f"{self.path}: profile is for gpu {gpu_name}, scenario gpu is "
+                             f"{gpu.name} (use cost_model: roofline for other GPUs)")
+        self.coefs = self._coefs_for(self.block_size)
+        # The profile measured a bf16 KV cache; with fp8 the KV-read terms move half the bytes.
+        kv_bytes = KV_DTYPE_BYTES.get(kv_dtype, 2)
+        measured = KV_DTYPE_BYTES.get(fit.get("kv_dtype", "bf16"), 2)
+        if kv_bytes != measured:
+            ratio = kv_bytes / measured
+            for key in ("a_decode_s_per_token", "a_decode_longest_s_per_token",
+                        "a_prefill_ctx_s_per_token"):
+                v = self.coefs.get(key, 0.0)
+                self.coefs[key] = [x * ratio for x in v] if isinstance(v, list) else v * ratio
+            self.notes.append(f"kv_dtype {kv_dtype}: KV-read terms scaled by {ratio:g} from the "
+                              f"{fit.get('kv_dtype', 'bf16')} measurement (not measured)")
+        if model is not None:
+            kv_per_token = model.kv_bytes_per_token(kv_dtype)
+        else:
+            kv_per_token = float(fit.get("kv_bytes_per_token", 0)) * kv_bytes / measured
+        self.bytes_per_block = kv_per_token * self.block_size
+        self._prepare()
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path, block_size: int = 16, kv_dtype: str = "bf16", model=None,
+             gpu=None) -> "ProfiledCostModel":
+        """Read a fit.json (InputError naming the file and key when it is unusable)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "fit.json"
+        try:
+            fit = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"{path}: no such fit file (run `simkv fit` on a profile "
+                             "directory)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+        return cls(fit, path, block_size, kv_dtype, model, gpu)
+
+    def _check(self, fit: dict, model) -> None:
+        path = self.path
+        if not isinstance(fit, dict):
+            raise InputError(f"{path}: expected a JSON object written by `simkv fit`")
+        fmt = _need(fit, "format", path)
+        if fmt != FIT_FORMAT:
+            raise InputError(f"{path}: key 'format' is {fmt!r}, expected {FIT_FORMAT!r}")
+        for key in ("gpu", "model"):
+            _need(fit, key, path)
+        sizes = _need(fit, "block_sizes", path)
+        if not isinstance(sizes, list) or not sizes or any(
+                isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+            raise InputError(f"{path}: key 'block_sizes' must be a list of positive integers")
+        self.block_sizes = sorted(sizes)
+        self.token_knots = _numbers(_need(fit, "token_knots", path), "token_knots", path)
+        self.graph_batch_sizes = sorted(int(b) for b in _numbers(
+            fit.get("graph_batch_sizes") or [0], "graph_batch_sizes", path) if b > 0)
+        layout = fit.get("layout") or {}
+        if not isinstance(layout, dict):
+            raise InputError(f"{path}: key 'layout' must be an object")
+        fields = {}
+        for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len"):
+            if key in layout:
+                fields[key] = int(_numbers(layout[key], f"layout.{key}", path)[0])
+        self.layout = StepLayout(tuple(self.token_knots), tuple(self.graph_batch_sizes),
+                                 **fields)
+        step = _need(fit, "step", path)
+        self.step = {}
+        for bs in self.block_sizes:
+            entry = _need(step, str(bs), path, "step.")
+            coefs = {}
+            for key in STEP_KEYS:
+                value = _numbers(_need(entry, key, path, f"step.{bs}."), f"step.{bs}.{key}", path)
+                coefs[key] = value if key in ("t_linear_s", "a_decode_s_per_token") else value[0]
+            for key in ("host_floor_s", "host_floor_s_per_seq",    # absent: no such term
+                        "a_decode_longest_s_per_token"):
+                coefs[key] = _numbers(entry.get(key, 0.0), f"step.{bs}.{key}", path)[0]
+            if len(coefs["t_linear_s"]) != len(self.token_knots):
+                raise InputError(f"{path}: key 'step.{bs}.t_linear_s' has "
+                                 f"{len(coefs['t_linear_s'])} values for "
+                                 f"{len(self.token_knots)} token_knots")
+            if len(coefs["a_decode_s_per_token"]) not in (1, len(LOG_BATCH_KNOTS)):
+                raise InputError(f"{path}: key 'step.{bs}.a_decode_s_per_token' must have 1 or "
+                                 f"{len(LOG_BATCH_KNOTS)} values")
+            self.step[bs] = coefs
+        self.swap = {}
+        for direction in ("out", "in"):
+            entry = (fit.get("swap") or {}).get(direction)
+            if entry is not None:
+                self.swap[direction] = {k: _numbers(_need(entry, k, path, f"swap.{direction}."),
+                                                    f"swap.{direction}.{k}", path)[0]
+                                        for k in ("c0_s", "c_block_s", "c_byte_s")}
+        copy = fit.get("copy")
+        self.copy = None if copy is None else {
+            k: _numbers(_need(copy, k, path, "copy."), f"copy.{k}", path)[0]
+            for k in ("c0_s", "c_block_s", "c_byte_s")}
+        shape = fit.get("model_shape")
+        if model is not None and isinstance(shape, dict):
+            diff = [k for k in SHAPE_KEYS if k in shape and getattr(model, k) != shape[k]]
+            if diff:
+                raise InputError(f"{path}: profiled model {fit['model']} differs from "
+                                 f"{model.name} in {', '.join(diff)} (profile this model, or use "
+                                 "cost_model: roofline)")
+
+    def _coefs_for(self, block_size: int) -> dict:
+        sizes = self.block_sizes
+        if block_size in self.step:
+            return dict(self.step[block_size])
+        if not sizes[0] < block_size < sizes[-1]:
+            raise BlockSizeNotProfiled(
+                f"{self.path}: block size {block_size} is outside the profiled block sizes "
+                f"{', '.join(map(str, sizes))} (profile it, or pick one in that range)")
+        hi = next(b for b in sizes if b > block_size)
+        lo = max(b for b in sizes if b < block_size)
+        f = (math.log2(block_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        self.notes.append(f"block size {block_size} not profiled: coefficients interpolated in "
+                          f"log2(block size) between {lo} and {hi}")
+        self.interpolated_from = (lo, hi)
+        return _blend(self.step[lo], self.step[hi], f)
+
+    def _prepare(self) -> None:
+        c = self.coefs
+        self._t_lin = c["t_linear_s"]
+        self._a_dec = c["a_decode_s_per_token"]
+        self._a_pf = c["a_prefill_s_per_pair"]
+        self._a_ctx = c["a_prefill_ctx_s_per_token"]
+        self._c_seq = c["c_seq_s"]
+        self._c_eager = c["c_eager_s"]
+        self._a_long = c["a_decode_longest_s_per_token"]
+        self._h0 = c["host_floor_s"]
+        self._h_seq = c["host_floor_s_per_seq"]
+        self._max_graph = self.graph_batch_sizes[-1] if self.graph_batch_sizes else 0
+        self._graph_rows = [next((b for b in self.graph_batch_sizes if b >= n), n)
+                            for n in range(self._max_graph + 1)]
+
+    def _linear(self, rows: int) -> float:
+        """T_lin(rows): linear between token knots, the last segment extended."""
+        knots, values = self.token_knots, self._t_lin
+        if rows <= knots[0] or len(knots) == 1:
+            return values[0]
+        i = min(bisect.bisect_left(knots, rows), len(knots) - 1)
+        f = (rows - knots[i - 1]) / (knots[i] - knots[i - 1])
+        return values[i - 1] + f * (values[i] - values[i - 1])
+
+    # -- the model ----------------------------------------------------------------------------
+    def forward_seconds(self, plan) -> float:
+        """Seconds of the forward pass of `plan` (no copies or swaps)."""
+        tokens = plan.num_prefill_tokens + plan.num_decode_tokens
+        if tokens == 0:
+            return 0.0
+        num_seqs = len(plan.scheduled)
+        decodes = num_seqs - plan.num_prefill_seqs
+        graph = plan.num_prefill_tokens == 0 and decodes <= self._max_graph
+        rows = self._graph_rows[tokens] if graph else tokens
+        seconds = self._linear(rows)
+        a_dec = self._a_dec
+        if len(a_dec) == 1:
+            seconds += a_dec[0] * plan.decode_context_tokens
+        elif decodes:
+            w = hats(math.log2(decodes), LOG_BATCH_KNOTS, False)
+            seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * plan.decode_context_tokens
+        if self._a_long and decodes:
+            longest = getattr(plan, "decode_max_context", 0)
+            if not longest:          # plans that do not carry the feature: scan the batch
+                longest = max(s.start for s in plan.scheduled if s.is_decode) + 1
+            seconds += self._a_long * self.layout.longest_program_tokens(
+                decodes, longest, graph, self.block_size)
+        seconds += self._a_pf * plan.prefill_attention_pairs
+        seconds += self._a_ctx * plan.prefill_context_tokens
+        seconds += self._c_seq * num_seqs
+        if graph:
+            return seconds
+        # Eager: every kernel is launched from Python; small steps wait on the host.
+        return max(seconds + self._c_eager, self._h0 + self._h_seq * num_seqs)
+
+    def predict(self, plan) -> float:
+        """Seconds for one step: block copies, swaps, then the forward pass."""
+        seconds = self.forward_seconds(plan)
+        if plan.block_copies and self.copy is not None:
+            seconds += transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)
+        if plan.swap_out and "out" in self.swap:
+            seconds += transfer_seconds(self.swap["out"], len(plan.swap_out),
+                                        self.bytes_per_block)
+        if plan.swap_in and "in" in self.swap:
+            seconds += transfer_seconds(self.swap["in"], len(plan.swap_in), self.bytes_per_block)
+        return seconds
+
+    def describe(self) -> dict:
+        """What this model is: source, block size (and interpolation), coefficients, errors."""
+        fit = self.fit
+        return {
+            "name": self.name,
+            "estimate": False,
+            "path": str(self.path),
+            "block_size": self.block_size,
+            "kv_dtype": self.kv_dtype,
+            "profiled_block_sizes": self.block_sizes,
+            "interpolated": self.block_size not in self.step,
+            "notes": list(self.notes),
+            "form": fit.get("form"),
+            "formula": fit.get("formula"),
+            "coefficients": self.coefs,
+            "holdout_error": fit.get("holdout_error", {}),
+        }

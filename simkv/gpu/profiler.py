@@ -1,0 +1,587 @@
+"""The profiling pass: the real executor over a designed grid of step compositions.
+
+    python -m simkv.gpu.profiler --model llama-3.1-8b [--block-sizes 8,16,32,64,128] [--out DIR]
+        [--parts steps,transfers,ledger,host_noise] [--time-budget-s S] [--quick] [--fit]
+
+For each block size a fresh `GpuExecutor` (sample model, paged Triton kernels, CUDA graphs for
+decode-only steps as the engine runs them) executes synthetic StepPlans:
+
+- decode-only: batch x context, and heterogeneous contexts in one batch;
+- prefill-only: chunk tokens x cached prefix, one or several chunks per step;
+- mixed: prefill chunks beside decodes, as chunked prefill schedules them;
+- block copies (copy-on-write) and host<->device swaps against blocks per transfer.
+
+Each composition runs once to warm up, then `reps` times; the step time is the median of the
+executor's own CUDA-event span (`last_gpu_s`: host input building, the forward, sampling and the
+copy of the sampled tokens back, as in the engine). Block tables are random permutations of the
+pool, whose K/V are random (never zeros). At block size 16 the profiler also measures the memory
+ledger (weights, activation peak against batched tokens, CUDA-graph pool and everything else)
+and repeats a few eager steps under three host conditions (host_noise.csv).
+
+Writes `steps.csv`, `swap.csv`, `copy.csv`, `memory.csv`, `ledger.json`, `host_noise.csv` and
+`meta.json` (GPU, driver, versions, clocks observed, date, command) under
+`profiles/<gpu>/<model>/`; `simkv fit` turns them into `fit.json`. Torch is imported only when a
+profile runs, so the design grid (`design`) is importable anywhere. See docs/profiling.md.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GIB = 1 << 30
+STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
+               "num_prefill_seqs", "num_decode_seqs", "decode_context_tokens",
+               "prefill_context_tokens", "prefill_attention_pairs", "decode_max_context",
+               "graph", "time_s", "time_p10_s", "time_p90_s", "wall_s", "reps"]
+TRANSFER_FIELDS = ["block_size", "num_blocks", "bytes", "time_s", "time_p10_s", "time_p90_s",
+                   "reps"]
+MAX_CACHED_TOKENS = 262_144        # KV tokens of the largest composition (32 GiB for an 8B)
+LEDGER_BLOCK_SIZE = 16
+MAX_NUM_SEQS = 256
+
+
+# ----------------------------------------------------------------------------------------------
+# The design (pure Python)
+
+
+@dataclass
+class Point:
+    """One step composition: items are (start, num_tokens, is_decode) per sequence."""
+
+    id: str
+    family: str
+    items: list
+
+
+def _decode(b: int, ctx: int) -> list:
+    return [(ctx - 1, 1, True)] * b
+
+
+def _chunks(n: int, tokens: int, prefix: int) -> list:
+    return [(prefix, tokens, False)] * n
+
+
+def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
+    """The grid, in a fixed order (the fit's hold-out rule counts positions in it)."""
+    points = []
+
+    def add(pid, family, items):
+        cached = sum(s + n for s, n, _ in items)
+        if cached <= max_cached_tokens:
+            points.append(Point(pid, family, items))
+
+    if quick:
+        for b in (1, 4):
+            for ctx in (16, 48):
+                add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
+        add("decode/het/2x8+1x60", "decode", _decode(2, 8) + _decode(1, 60))
+        for t in (8, 32):
+            for p in (0, 24):
+                add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
+        add("prefill/2x16+p0", "prefill", _chunks(2, 16, 0))
+        for b in (2, 6):
+            add(f"mixed/d{b}c24/1x16+p8", "mixed", _decode(b, 24) + _chunks(1, 16, 8))
+        return points
+
+    for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+        for ctx in (128, 512, 2048, 8192):
+            add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
+    for b, ctx in ((1, 32768), (4, 32768), (1, 65536), (16, 16384)):
+        add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
+    # Heterogeneous batches: one long sequence among short ones, halves, a geometric spread.
+    for b, short, long_ in ((8, 64, 32768), (32, 256, 16384), (128, 512, 8192)):
+        add(f"decode/het/{b - 1}x{short}+1x{long_}", "decode",
+            _decode(b - 1, short) + _decode(1, long_))
+    for b, a, c in ((16, 128, 4096), (64, 256, 2048), (200, 300, 1000)):
+        add(f"decode/het/{b // 2}x{a}+{b - b // 2}x{c}", "decode",
+            _decode(b // 2, a) + _decode(b - b // 2, c))
+    for b in (12, 48, 160):
+        ctxs = np.geomspace(32, 16384, b).round().astype(int).tolist()
+        add(f"decode/het/{b}xgeom32-16384", "decode", [(c - 1, 1, True) for c in ctxs])
+
+    for t in (16, 64, 256, 512, 1024, 2048, 4096, 8192):
+        for p in (0, 4096):
+            add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
+    for t, p in ((512, 16384), (2048, 16384), (128, 32768)):
+        add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
+    for n, t, p in ((4, 256, 0), (8, 512, 0), (16, 128, 0), (2, 2048, 1024), (32, 64, 0),
+                    (4, 1024, 4096)):
+        add(f"prefill/{n}x{t}+p{p}", "prefill", _chunks(n, t, p))
+
+    for b in (4, 16, 32, 64, 128):
+        for i, t in enumerate((64, 512, 2048)):
+            p = 0 if (i + b) % 2 == 0 else 2048
+            add(f"mixed/d{b}c1024/1x{t}+p{p}", "mixed", _decode(b, 1024) + _chunks(1, t, p))
+    add("mixed/d200c512/1x1848+p0", "mixed", _decode(200, 512) + _chunks(1, 1848, 0))
+    add("mixed/d100c2048/1x412+p1024", "mixed", _decode(100, 2048) + _chunks(1, 412, 1024))
+    add("mixed/d8c8192/1x4096+p8192", "mixed", _decode(8, 8192) + _chunks(1, 4096, 8192))
+    add("mixed/d32c512/2x256+p0", "mixed", _decode(32, 512) + _chunks(2, 256, 0))
+    add("mixed/d48c4096/1x1024+p0", "mixed", _decode(48, 4096) + _chunks(1, 1024, 0))
+    add("mixed/d240c256/1x16+p4096", "mixed", _decode(240, 256) + _chunks(1, 16, 4096))
+    add("mixed/d24c300/1x7000+p0", "mixed", _decode(24, 300) + _chunks(1, 7000, 0))
+    return points
+
+
+def features(items) -> dict:
+    """Cost-model features of a composition (as `Scheduler._finalise` computes them)."""
+    f = dict(num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0, num_decode_seqs=0,
+             decode_context_tokens=0, prefill_context_tokens=0, prefill_attention_pairs=0,
+             decode_max_context=0)
+    for start, n, is_decode in items:
+        if is_decode:
+            f["num_decode_tokens"] += 1
+            f["num_decode_seqs"] += 1
+            f["decode_context_tokens"] += start + 1
+            f["decode_max_context"] = max(f["decode_max_context"], start + 1)
+        else:
+            f["num_prefill_tokens"] += n
+            f["num_prefill_seqs"] += 1
+            f["prefill_context_tokens"] += start + n
+            f["prefill_attention_pairs"] += n * start + n * (n + 1) // 2
+    return f
+
+
+# ----------------------------------------------------------------------------------------------
+# Running plans
+
+
+def _plan(items, block_size: int, perm: np.ndarray, tokens: list):
+    """A StepPlan of fresh sequences whose block tables take blocks from `perm` in order."""
+    from simkv.core.plan import ScheduledSeq, StepPlan
+    from simkv.core.request import Sequence
+    scheduled, used = [], 0
+    for i, (start, n, is_decode) in enumerate(items):
+        blocks = -(-(start + n) // block_size)
+        table = perm[used:used + blocks].tolist()
+        used += blocks
+        seq = Sequence(seq_id=i, request=None, sample=0, num_tokens=start + n,
+                       num_computed_tokens=start, block_table=table, token_ids=tokens)
+        scheduled.append(ScheduledSeq(seq, start, n, is_decode))
+    plan = StepPlan(step=0, now_s=0.0, scheduled=scheduled)
+    for key, value in features(items).items():
+        if hasattr(plan, key) and key != "num_decode_seqs":
+            setattr(plan, key, value)
+    return plan
+
+
+def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
+    """Median (and p10/p90) of the executor's CUDA-event span over `reps` runs after warm-up."""
+    for _ in range(warmup):
+        executor.execute(plan)
+    times, walls = [], []
+    while len(times) < reps:
+        t0 = time.perf_counter()
+        executor.execute(plan)
+        walls.append(time.perf_counter() - t0)
+        times.append(executor.last_gpu_s)
+        if times[0] > 0.05:     # long steps vary little: fewer repetitions
+            reps = min(reps, 3)
+    t = np.array(times)
+    return {"time_s": float(np.median(t)), "time_p10_s": float(np.percentile(t, 10)),
+            "time_p90_s": float(np.percentile(t, 90)), "wall_s": float(np.median(walls)),
+            "reps": len(times)}
+
+
+def _tokens(executor, rng) -> list:
+    """Random token ids, enough for the longest sequence of the design."""
+    return rng.integers(0, executor.spec.vocab_size, MAX_CACHED_TOKENS + 65536).tolist()
+
+
+def _sig(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def profile_block_size(executor, points, rng, reps: int, log) -> list:
+    """Time every composition on one executor; rows for steps.csv."""
+    bs = executor.block_size
+    tokens = _tokens(executor, rng)
+    rows = []
+    for point in points:
+        perm = rng.permutation(executor.num_blocks)
+        plan = _plan(point.items, bs, perm, tokens)
+        graphs_before = executor.num_graph_steps
+        timing = _time(executor, plan, reps)
+        graph = int(executor.num_graph_steps > graphs_before)
+        row = {"id": point.id, "family": point.family, "block_size": bs,
+               **features(point.items), "graph": graph}
+        row.update({k: (_sig(v) if isinstance(v, float) else v) for k, v in timing.items()})
+        rows.append(row)
+    log(f"  block size {bs}: {len(rows)} compositions")
+    return rows
+
+
+def profile_transfers(executor, rng, reps: int, max_bytes: float, log) -> tuple:
+    """Rows for swap.csv (both directions) and copy.csv on one executor."""
+    from simkv.core.plan import StepPlan
+    bs = executor.block_size
+    bytes_per_block = executor.kv_pool_bytes // executor.num_blocks
+    counts = (1, 16) if max_bytes < GIB else (1, 4, 16, 64, 256, 1024)
+    counts = [n for n in counts if n * bytes_per_block <= max_bytes] or [1]
+    swap_rows, copy_rows = [], []
+    for n in counts:
+        dev = rng.permutation(executor.num_blocks)[:2 * n].tolist()
+        out = StepPlan(step=0, now_s=0.0, swap_out=[(d, h) for h, d in enumerate(dev[:n])])
+        back = StepPlan(step=0, now_s=0.0, swap_in=[(h, d) for h, d in enumerate(dev[:n])])
+        copies = StepPlan(step=0, now_s=0.0, block_copies=list(zip(dev[:n], dev[n:])))
+        for direction, plan in (("out", out), ("in", back)):
+            row = {"direction": direction, "block_size": bs, "num_blocks": n,
+                   "bytes": n * bytes_per_block}
+            row.update({k: (_sig(v) if isinstance(v, float) else v)
+                        for k, v in _time(executor, plan, reps, warmup=2).items() if k != "wall_s"})
+            swap_rows.append(row)
+        row = {"block_size": bs, "num_blocks": n, "bytes": 2 * n * bytes_per_block}
+        row.update({k: (_sig(v) if isinstance(v, float) else v)
+                    for k, v in _time(executor, copies, reps).items() if k != "wall_s"})
+        copy_rows.append(row)
+    log(f"  block size {bs}: swaps and copies up to {counts[-1]} blocks")
+    return swap_rows, copy_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory ledger
+
+
+def measure_ledger(executor, model, token_counts, log) -> tuple:
+    """(ledger dict for ledger.json, rows for memory.csv) from a block-size-16 executor."""
+    import torch
+    # The engine's ledger first: its run peak is the profiling grid's, not the sweep's below.
+    report = executor.ledger.report(executor.weight_bytes, executor.kv_pool_bytes,
+                                    int(executor.profile.get("peak_bytes", 0)))
+    points = {}
+    for n in token_counts:
+        prof = executor.profile_activation(n, MAX_NUM_SEQS)
+        points[int(prof["tokens"])] = int(prof["peak_bytes"])
+    # profile_activation reports the larger of its two forwards (n and n/2): n's peak.
+    tokens = np.array(sorted(points), dtype=float)
+    peaks = np.array([points[int(t)] for t in tokens], dtype=float)
+    slope, base = np.polyfit(tokens, peaks, 1) if len(tokens) > 1 else (0.0, peaks[0])
+    slope, base = max(0.0, float(slope)), max(0.0, float(base))
+    slack = max(0, report["unattributed_bytes"])
+    other_parts = {
+        "cuda_graph_pool_bytes": report["graph_pool_bytes"],
+        "non_torch_bytes": report["non_torch_bytes"],
+        "persistent_other_bytes": report["persistent_other_bytes"],
+        "allocator_slack_bytes": int(slack),
+    }
+    ledger = {
+        "weights_bytes": int(executor.weight_bytes),
+        "activation_bytes_per_batched_token": round(slope, 1),
+        "activation_base_bytes": int(base),
+        "other_bytes": int(sum(other_parts.values())),
+        "other_parts": other_parts,
+        "activation_points": [[int(t), int(p)] for t, p in zip(tokens, peaks)],
+        "measured_with": {"block_size": executor.block_size, "max_num_seqs": MAX_NUM_SEQS,
+                          "max_model_len": executor.max_model_len,
+                          "dtype": str(executor.dtype).replace("torch.", ""),
+                          "kv_pool_bytes": int(executor.kv_pool_bytes),
+                          "device_memory_bytes": report["device_memory_bytes"]},
+        "note": ("activation = activation_base_bytes + activation_bytes_per_batched_token x "
+                 "max_num_batched_tokens (peak of a forward over that many tokens with "
+                 f"{MAX_NUM_SEQS} sampled rows, above the persistent tensors); other = CUDA-graph "
+                 "pool + memory outside PyTorch (CUDA context, cuBLAS, Triton modules) + "
+                 "persistent small tensors + allocator slack at the peak"),
+        "engine_ledger": {k: v for k, v in report.items() if k != "stages"},
+    }
+    ledger["estimate_comparison"] = _estimate_comparison(model, ledger)
+    torch.cuda.empty_cache()
+    log(f"  ledger: weights {ledger['weights_bytes'] / GIB:.2f} GiB, activation "
+        f"{slope:.0f} B/token + {base / 2**20:.0f} MiB, "
+        f"other {ledger['other_bytes'] / GIB:.2f} GiB")
+    rows = [{"num_batched_tokens": int(t), "peak_activation_bytes": int(p)}
+            for t, p in zip(tokens, peaks)]
+    return ledger, rows
+
+
+def _estimate_comparison(model, ledger: dict) -> dict:
+    """Measured vs the foundation's estimate (simkv.core.sizing) at the default settings."""
+    from simkv.core import sizing
+    from simkv.core.config import SchedulerConfig
+    sched = SchedulerConfig()
+    estimate = {
+        "weights_bytes": model.weight_bytes(sizing.WEIGHT_DTYPE_BYTES),
+        "activation_bytes": sizing.estimate_activation_bytes(model, sched),
+        "other_bytes": sizing.CUDA_CONTEXT_BYTES + sizing.CUDA_GRAPH_POOL_BYTES
+        + sizing.ALLOCATOR_SLACK_BYTES,
+    }
+    measured = {
+        "weights_bytes": ledger["weights_bytes"],
+        "activation_bytes": int(ledger["activation_base_bytes"]
+                                + ledger["activation_bytes_per_batched_token"]
+                                * sched.max_num_batched_tokens),
+        "other_bytes": ledger["other_bytes"],
+    }
+    return {"max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs, "estimate": estimate, "measured": measured,
+            "measured_minus_estimate": {k: int(measured[k] - estimate[k]) for k in estimate}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata
+
+
+def _nvidia_smi() -> dict:
+    fields = "name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if not out:
+        return {}
+    values = [v.strip() for v in out.splitlines()[0].split(",")]
+    return dict(zip(fields.split(","), values))
+
+
+def gpu_short_name(device_name: str) -> str:
+    """'NVIDIA H200' -> 'h200': the bundled GPU whose name appears in the device's name."""
+    from simkv.core.specs import bundled_gpus
+    text = device_name.lower().replace("-", " ")
+    for name in sorted(bundled_gpus(), key=len, reverse=True):
+        if name.split("-")[0] in text.split():
+            return name
+    return text.replace("nvidia", "").strip().split()[0] if text.strip() else "unknown"
+
+
+def _meta(model, device, executor_dtype, block_sizes, quick, graph_sizes, command,
+          smi_before=None) -> dict:
+    import torch
+    import triton
+    meta = {
+        "model": model.name,
+        "model_shape": {k: getattr(model, k) for k in (
+            "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+            "intermediate_size", "vocab_size")},
+        "kv_bytes_per_token": model.kv_bytes_per_token("bf16"),
+        "dtype": str(executor_dtype).replace("torch.", ""),
+        "kv_dtype": "bf16" if executor_dtype == torch.bfloat16 else str(executor_dtype),
+        "block_sizes": list(block_sizes),
+        "graph_batch_sizes": list(graph_sizes),
+        "quick": quick,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": np.__version__,
+        "host": platform.node(),
+        "timing": ("median of the executor's CUDA-event span of execute(plan) after one warm-up "
+                   "run; p10/p90 beside it"),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        meta.update({"device_name": props.name, "gpu": gpu_short_name(props.name),
+                     "sm_count": props.multi_processor_count,
+                     "device_memory_bytes": int(props.total_memory),
+                     "cuda": torch.version.cuda, "nvidia_smi_before": smi_before or {}})
+    else:
+        meta.update({"device_name": platform.processor() or "cpu", "gpu": "cpu"})
+    return meta
+
+
+def _write_csv(path: Path, rows: list, fields: list) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pass
+
+
+PARTS = ("steps", "transfers", "ledger", "host_noise")
+NOISE_IDS = ("prefill/1x16+p0", "prefill/1x512+p0", "mixed/d32c1024/1x64+p0",
+             "mixed/d128c1024/1x512+p2048", "decode/b64/c512")
+LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
+
+
+def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quick: bool = False,
+                device: str | None = None, seed: int = 0, reps: int | None = None,
+                time_budget_s: float | None = None, parts=PARTS, log=print) -> Path:
+    """Profile `model_name` (bundled name or config path) and write the raw data; returns the dir.
+
+    `parts`: any of "steps" (the step grid, every block size), "transfers" (swaps and copies,
+    every block size), "ledger" and "host_noise" (CUDA only, at block size 16). `quick`: the CI
+    smoke test (a handful of tiny compositions; use it with the `tiny` model on CPU, float64
+    and the reference attention). Default out_dir: profiles/<gpu>/<model>/. The files are
+    rewritten after every block size; with `time_budget_s`, block sizes that would not finish
+    in time are skipped (and left out of meta.json's `block_sizes`). meta.json is written when
+    the step grid is measured, `meta-partial.json` otherwise.
+    """
+    import torch
+    from simkv.core.specs import load_model, profiles_dir
+    from simkv.gpu.executor import GpuExecutor
+
+    started = time.perf_counter()
+    model = load_model(model_name)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    reps = reps or (2 if quick else 5)
+    points = design(quick)
+    max_tokens = max(sum(s + n for s, n, _ in p.items) for p in points)
+    max_seqs = max(len(p.items) for p in points)
+    rng = np.random.default_rng(seed)
+    command = " ".join(["simkv profile"] + sys.argv[1:]) if sys.argv and sys.argv[0] else None
+    if not ("steps" in parts or "transfers" in parts):
+        block_sizes = [b for b in block_sizes if b == LEDGER_BLOCK_SIZE] or [LEDGER_BLOCK_SIZE]
+
+    out = Path(out_dir) if out_dir is not None else None
+    smi_before = _nvidia_smi() if cuda else {}
+    data = {"steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": []}
+    graph_sizes, dtype, tile = [], None, None
+    done, longest = [], 0.0
+    for bs in block_sizes:
+        if time_budget_s and done and time.perf_counter() - started + longest > time_budget_s:
+            log(f"  time budget of {time_budget_s:.0f} s reached: block sizes "
+                f"{[b for b in block_sizes if b not in done]} not profiled")
+            break
+        bs_start = time.perf_counter()
+        num_blocks = -(-max_tokens // bs) + max_seqs + 16
+        executor = GpuExecutor(model, num_blocks, bs, num_host_blocks=0, device=str(dev),
+                               seed=seed, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=8192, profile_memory=False)
+        dtype = executor.dtype
+        graph_sizes = executor._graph_buckets() if executor.use_graphs else []
+        if executor.attention == "triton":
+            from simkv.gpu import kernels
+            tile = kernels.decode_config(bs, model.head_dim, dtype).tile
+        with torch.inference_mode():
+            executor.caches.normal_()          # random K/V: never time on zeros
+        if "steps" in parts:
+            data["steps"] += profile_block_size(executor, points, rng, reps, log)
+        if "transfers" in parts:
+            s, c = profile_transfers(executor, rng, reps, 64 * 2**20 if quick else GIB, log)
+            data["swaps"] += s
+            data["copies"] += c
+        if cuda and bs == LEDGER_BLOCK_SIZE and "host_noise" in parts:
+            data["noise"] = measure_host_noise(executor, points, rng, log)
+        if cuda and bs == LEDGER_BLOCK_SIZE and "ledger" in parts:
+            if "steps" not in parts:        # the run peak should be a serving-like one
+                for point in points:
+                    if point.id in LEDGER_WARM_IDS:
+                        executor.execute(_plan(point.items, bs,
+                                               rng.permutation(executor.num_blocks),
+                                               _tokens(executor, rng)))
+            data["ledger"], data["memory"] = measure_ledger(executor, model,
+                                                            (2048, 8192, 16384), log)
+        del executor
+        if cuda:
+            gc.collect()       # the executor's graphs hold reference cycles
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+        done.append(bs)
+        longest = max(longest, time.perf_counter() - bs_start)
+        meta = _meta(model, dev, dtype, done, quick, graph_sizes, command, smi_before)
+        meta.update(parts=list(parts), decode_tile=tile, max_num_seqs=MAX_NUM_SEQS,
+                    max_model_len=model.max_position_embeddings,
+                    profile_seconds=round(time.perf_counter() - started, 1))
+        out = out or profiles_dir() / meta["gpu"] / model.name
+        _write(out, meta, data)   # after every block size
+        log(f"  {meta['profile_seconds']:.0f} s elapsed")
+    if cuda:
+        meta["nvidia_smi_after"] = _nvidia_smi()
+        _write(out, meta, data)
+    log(f"wrote {out} ({len(data['steps'])} step rows, {meta['profile_seconds']} s)")
+    return out
+
+
+def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 2) -> list:
+    """Repeated timings of a few eager compositions (and one graphed control) under three
+    conditions, interleaved: as is, with Python's garbage collector off, and pinned to one CPU.
+    Rows for host_noise.csv: condition, id, round, rep, time_s, wall_s."""
+    import os
+    chosen = [p for p in points if p.id in NOISE_IDS]
+    tokens = _tokens(executor, rng)
+    plans = {p.id: _plan(p.items, executor.block_size, rng.permutation(executor.num_blocks),
+                         tokens) for p in chosen}
+    can_pin = hasattr(os, "sched_getaffinity")
+    cpus = os.sched_getaffinity(0) if can_pin else None
+    rows = []
+    for rnd in range(rounds):
+        for condition in ("default", "gc_off", "one_cpu"):
+            if condition == "one_cpu" and not can_pin:
+                continue
+            if condition == "gc_off":
+                gc.disable()
+            if condition == "one_cpu":
+                os.sched_setaffinity(0, {min(cpus)})
+            try:
+                for pid, plan in plans.items():
+                    executor.execute(plan)
+                    for rep in range(reps):
+                        t0 = time.perf_counter()
+                        executor.execute(plan)
+                        rows.append({"condition": condition, "id": pid, "round": rnd,
+                                     "rep": rep, "time_s": _sig(executor.last_gpu_s),
+                                     "wall_s": _sig(time.perf_counter() - t0)})
+            finally:
+                gc.enable()
+                if can_pin:
+                    os.sched_setaffinity(0, cpus)
+    log(f"  host noise: {len(rows)} timings")
+    return rows
+
+
+def _write(out: Path, meta: dict, data: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    parts = meta.get("parts", PARTS)
+    if "steps" in parts:
+        _write_csv(out / "steps.csv", data["steps"], STEP_FIELDS)
+    if "transfers" in parts:
+        _write_csv(out / "swap.csv", data["swaps"], ["direction"] + TRANSFER_FIELDS)
+        _write_csv(out / "copy.csv", data["copies"], TRANSFER_FIELDS)
+    if data["ledger"] is not None:
+        _write_csv(out / "memory.csv", data["memory"],
+                   ["num_batched_tokens", "peak_activation_bytes"])
+        ledger = dict(data["ledger"], measured={k: meta.get(k) for k in (
+            "date", "command", "device_name", "torch", "triton", "cuda")})
+        (out / "ledger.json").write_text(json.dumps(ledger, indent=1) + "\n")
+    if data["noise"]:
+        _write_csv(out / "host_noise.csv", data["noise"],
+                   ["condition", "id", "round", "rep", "time_s", "wall_s"])
+    name = "meta.json" if "steps" in parts else "meta-partial.json"
+    (out / name).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simkv.gpu.profiler", description=__doc__
+                                     .split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--block-sizes", default="8,16,32,64,128")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--time-budget-s", type=float, default=None)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated: " + ", ".join(PARTS))
+    parser.add_argument("--fit", action="store_true", help="run `simkv fit` on the result")
+    args = parser.parse_args(argv)
+    sizes = tuple(int(b) for b in args.block_sizes.split(","))
+    parts = tuple(p for p in args.parts.split(",") if p)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)} (choose from {', '.join(PARTS)})")
+    out = run_profile(args.model, sizes, args.out, args.quick, args.device,
+                      time_budget_s=args.time_budget_s, parts=parts)
+    if args.fit and "steps" in parts:
+        from simkv.costmodel.fit import fit_profile
+        fit = fit_profile(out)
+        print(json.dumps({"holdout_error": {k: fit["holdout_error"][k]
+                                            for k in ("median", "p95", "max", "count")},
+                          "form": fit["form"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Fitting the profiled cost model (simkv.costmodel.fit) from raw profile CSVs.
+
+Synthetic profiles are generated from known coefficients over the profiler's own design grid,
+so the fit must give those coefficients back; the committed H200 profiles must refit to their
+committed fit.json.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from simkv.costmodel import fit as F
+from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
+from simkv.core.specs import load_gpu, load_model, profiles_dir
+from simkv.errors import InputError
+from simkv.gpu.profiler import design, features
+
+GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def known_coefs(bs: int) -> dict:
+    """Plausible 8B-like coefficients; attention per token grows a little with smaller blocks."""
+    knots = F.token_knots_for(8192)
+    t_lin = [4e-3 + 2.2e-5 * max(0, k - 128) for k in knots]
+    return {"t_linear_s": t_lin,
+            "a_decode_s_per_token": [4e-8 * (1 + 4 / bs)],
+            "a_prefill_s_per_pair": 2e-12,
+            "a_prefill_ctx_s_per_token": 1e-8,
+            "a_decode_longest_s_per_token": 0.0, "c_seq_s": 5e-6, "c_eager_s": 3e-4,
+            "host_floor_s": 7e-3, "host_floor_s_per_seq": 2e-5}
+
+
+def synthetic_profile(tmp_path: Path, block_sizes=(16, 64), noise=0.0, seed=0) -> Path:
+    """A profile directory whose step times follow known_coefs (times noise, if any)."""
+    rng = np.random.default_rng(seed)
+    layout = F.StepLayout(tuple(F.token_knots_for(8192)), tuple(GRAPH_SIZES))
+    rows = []
+    for bs in block_sizes:
+        coefs = known_coefs(bs)
+        for point in design():
+            f = features(point.items)
+            f["graph"] = int(f["num_prefill_tokens"] == 0)
+            t = F.predict_step(coefs, f, layout, bs) * (1 + noise * rng.standard_normal())
+            rows.append({"id": point.id, "family": point.family, "block_size": bs, **f,
+                         "time_s": float(f"{t:.6g}")})
+    out = tmp_path / "h200" / "llama-3.1-8b"
+    out.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+    swap = [{"direction": d, "block_size": bs, "num_blocks": n, "bytes": n * bs * 131072,
+             "time_s": 2e-5 + n * 1e-6 + n * bs * 131072 / (50e9 if d == "out" else 55e9)}
+            for d in ("out", "in") for bs in block_sizes for n in (1, 4, 16, 64, 256)]
+    pd.DataFrame(swap).to_csv(out / "swap.csv", index=False)
+    copy = [{"block_size": bs, "num_blocks": n, "bytes": 2 * n * bs * 131072,
+             "time_s": 3e-5 + n * 2e-7 + 2 * n * bs * 131072 / 3e12}
+            for bs in block_sizes for n in (1, 4, 16, 64, 256)]
+    pd.DataFrame(copy).to_csv(out / "copy.csv", index=False)
+    (out / "meta.json").write_text(json.dumps({
+        "model": "llama-3.1-8b", "gpu": "h200", "graph_batch_sizes": GRAPH_SIZES,
+        "kv_bytes_per_token": 131072, "block_sizes": list(block_sizes)}))
+    return out
+
+
+def test_nnls_keeps_coefficients_non_negative_and_matches_lstsq_when_unconstrained():
+    rng = np.random.default_rng(1)
+    a = rng.random((40, 4))
+    x_true = np.array([1.0, 2.0, 0.5, 3.0])
+    assert np.allclose(F.nnls(a, a @ x_true), x_true)
+    b = a @ np.array([1.0, -2.0, 0.5, 3.0])          # best unconstrained fit is negative
+    x = F.nnls(a, b)
+    assert (x >= 0).all() and x[1] == 0.0
+
+
+def test_hats_interpolate_between_knots_and_extend_the_last_segment():
+    assert F.hats(1, [1, 8, 32]) == [1.0, 0.0, 0.0]
+    assert F.hats(20, [1, 8, 32]) == [0.0, 0.5, 0.5]
+    assert F.hats(56, [1, 8, 32]) == [0.0, -1.0, 2.0]
+    assert F.hats(56, [1, 8, 32], extrapolate=False) == [0.0, 0.0, 1.0]
+
+
+def test_fit_recovers_the_coefficients_that_generated_the_data(tmp_path):
+    fit = F.fit_profile(synthetic_profile(tmp_path))
+    assert fit["form"] == "base"
+    assert fit["block_sizes"] == [16, 64]
+    for bs in (16, 64):
+        truth = known_coefs(bs)
+        got = fit["step"][str(bs)]
+        assert np.allclose(got["t_linear_s"], truth["t_linear_s"], rtol=1e-4)
+        for key in ("a_decode_s_per_token",):
+            assert np.allclose(got[key], truth[key], rtol=1e-4)
+        for key in ("a_prefill_s_per_pair", "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s",
+                    "host_floor_s", "host_floor_s_per_seq"):
+            assert got[key] == pytest.approx(truth[key], rel=1e-3)
+    assert fit["holdout_error"]["p95"] < 1e-4
+
+
+def test_small_eager_steps_wait_on_the_host_floor(tmp_path):
+    fit = F.fit_profile(synthetic_profile(tmp_path))
+    c = fit["step"]["16"]
+    small = dict(num_prefill_tokens=16, num_decode_tokens=0, num_prefill_seqs=1,
+                 num_decode_seqs=0, decode_context_tokens=0, prefill_context_tokens=16,
+                 prefill_attention_pairs=136, decode_max_context=0, graph=0)
+    layout = F.StepLayout(tuple(fit["token_knots"]), tuple(GRAPH_SIZES))
+    assert F.predict_step(c, small, layout, 16) == pytest.approx(7.02e-3)
+    big = dict(small, num_prefill_tokens=4096, prefill_context_tokens=4096,
+               prefill_attention_pairs=4096 * 4097 // 2)
+    assert F.predict_step(c, big, layout, 16) > 0.05
+
+
+def test_fit_with_measurement_noise_keeps_holdout_error_near_the_noise(tmp_path):
+    fit = F.fit_profile(synthetic_profile(tmp_path, noise=0.01))
+    assert fit["holdout_error"]["median"] < 0.015
+    assert fit["holdout_error"]["p95"] < 0.035
+
+
+def test_fit_recovers_swap_and_copy_bandwidths(tmp_path):
+    fit = F.fit_profile(synthetic_profile(tmp_path))
+    assert 1 / fit["swap"]["out"]["c_byte_s"] == pytest.approx(50e9, rel=1e-3)
+    assert 1 / fit["swap"]["in"]["c_byte_s"] == pytest.approx(55e9, rel=1e-3)
+    assert fit["copy"]["c0_s"] == pytest.approx(3e-5, rel=1e-3)
+
+
+def test_refitting_gives_the_same_file(tmp_path):
+    prof = synthetic_profile(tmp_path, noise=0.02)
+    F.fit_profile(prof)
+    first = (prof / "fit.json").read_bytes()
+    F.fit_profile(prof, out=tmp_path / "again")
+    assert (tmp_path / "again" / "fit.json").read_bytes() == first
+
+
+def test_holdout_is_chosen_from_the_design_not_the_measurements(tmp_path):
+    prof = synthetic_profile(tmp_path, noise=0.02)
+    ids = F.fit_profile(prof, out=tmp_path / "a")["holdout"]["ids"]
+    steps = pd.read_csv(prof / "steps.csv")
+    steps["time_s"] = steps["time_s"].sample(frac=1.0, random_state=3).to_numpy()
+    steps.to_csv(prof / "steps.csv", index=False)
+    assert F.fit_profile(prof, out=tmp_path / "b")["holdout"]["ids"] == ids
+    # every 5th composition of each family, and the whole 32-decode mixed row
+    mixed = [p.id for p in design() if p.family == "mixed"]
+    assert all(i in ids for i in mixed if i.startswith("mixed/d32c1024"))
+    decode = [p.id for p in design() if p.family == "decode"]
+    assert decode[4] in ids and decode[9] in ids and decode[0] not in ids
+
+
+def test_holdout_error_reports_median_p95_and_families(tmp_path):
+    err = F.fit_profile(synthetic_profile(tmp_path, noise=0.01))["holdout_error"]
+    assert {"median", "p95", "by_family", "by_block_size"} <= set(err)
+    assert set(err["by_family"]) == {"decode", "mixed", "prefill"}
+    assert err["by_family"]["mixed"]["count"] > 0
+
+
+def test_a_missing_column_names_the_file_and_column(tmp_path):
+    prof = synthetic_profile(tmp_path)
+    pd.read_csv(prof / "steps.csv").drop(columns=["prefill_attention_pairs"]).to_csv(
+        prof / "steps.csv", index=False)
+    with pytest.raises(InputError, match="steps.csv.*prefill_attention_pairs"):
+        F.fit_profile(prof)
+
+
+def test_a_missing_profile_directory_is_input_error(tmp_path):
+    with pytest.raises(InputError, match="not a directory"):
+        F.fit_profile(tmp_path / "nope")
+
+
+def test_roofline_calibration_recovers_known_efficiencies(tmp_path):
+    prof = synthetic_profile(tmp_path)
+    truth = RooflineParams(bandwidth_efficiency=0.8, flops_efficiency=0.55,
+                           attention_flops_efficiency=0.3, step_overhead_s=4e-4,
+                           per_seq_overhead_s=3e-6)
+    steps = pd.read_csv(prof / "steps.csv")
+    model, gpu = load_model("llama-3.1-8b"), load_gpu("h200")
+    m = RooflineCostModel(model, gpu, "bf16", 16, truth)
+    steps["time_s"] = [m.predict(p) for p in F._plans_from_steps(steps)]
+    steps.to_csv(prof / "steps.csv", index=False)
+    cal = F.calibrate_roofline(prof)
+    p = cal["params"]
+    assert p["bandwidth_efficiency"] == pytest.approx(0.8, abs=0.011)
+    assert p["flops_efficiency"] == pytest.approx(0.55, abs=0.011)
+    assert p["step_overhead_s"] == pytest.approx(4e-4, rel=0.05)
+    assert cal["error"]["median"] < 0.01
+    assert F.roofline_error(p, prof)["median"] == cal["error"]["median"]
+
+
+def test_extended_roofline_calibration_fits_per_layer_eager_overhead(tmp_path):
+    prof = synthetic_profile(tmp_path)
+    cal = F.calibrate_roofline(prof, extended=True)
+    assert cal["form"] == "roofline+eager"
+    assert {"graph_step_overhead_s", "eager_overhead_s_per_layer"} <= set(cal["params"])
+    assert F.roofline_error(cal["params"], prof) == cal["error"]
+
+
+def test_longest_decode_program_follows_the_kernels_split_rule():
+    layout = F.StepLayout((1, 8), (1, 2, 4, 8, 16, 32), sm_count=132, num_kv_heads=8,
+                          decode_tile=64, max_model_len=131072)
+    # graphed, 32 decodes: ceil(4 * 132 / (32 * 8)) = 3 splits; 16384 tokens = 256 tiles -> 86
+    assert layout.longest_program_tokens(32, 16384, True, 16) == 86 * 64
+    # eager, 4 decodes, longest 1000 tokens: 63 blocks of 16 = 1008 -> 16 tiles, at most 8
+    # splits (half the tiles); 1000 tokens = 16 tiles -> 2 per program
+    assert layout.longest_program_tokens(4, 1000, False, 16) == 128
+    assert layout.longest_program_tokens(0, 0, False, 16) == 0
+
+
+def same_to_rounding(a, b, rel=1e-4) -> bool:
+    """Equal JSON values, numbers within `rel` (refits on other BLAS builds may differ in the
+    last digit kept)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_to_rounding(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_to_rounding(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return a == pytest.approx(b, rel=rel, abs=1e-12)
+    return a == b
+
+
+COMMITTED = sorted((profiles_dir() / "h200").glob("*/fit.json"))
+
+
+@pytest.mark.parametrize("committed", COMMITTED, ids=[p.parent.name for p in COMMITTED])
+def test_committed_profiles_refit_to_their_committed_fit(committed, tmp_path):
+    refit = F.fit_profile(committed.parent, out=tmp_path)
+    assert same_to_rounding(refit, json.loads(committed.read_text()))
+    assert refit["block_sizes"] == [8, 16, 32, 64, 128]
+    assert refit["holdout"]["rows"] > 0 and refit["holdout"]["ids"]
+
+
+@pytest.mark.skipif(not COMMITTED, reason="no committed H200 profiles")
+def test_committed_roofline_calibration_is_reproduced(tmp_path):
+    path = profiles_dir() / "h200" / "roofline_calibration.json"
+    committed = json.loads(path.read_text())
+    again = F.write_roofline_calibration(profiles_dir() / "h200" / "llama-3.1-8b",
+                                         [profiles_dir() / "h200" / "llama-3.2-1b"],
+                                         out=tmp_path / "r.json")
+    assert same_to_rounding(again, committed)
+
+
+def test_quick_profile_runs_on_cpu_and_fits(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from simkv.gpu import profiler
+    try:
+        from simkv.gpu.executor import GpuExecutor  # noqa: F401
+    except ImportError:
+        pytest.skip("no GPU executor in this build")
+    out = profiler.run_profile("tiny", block_sizes=(16,), out_dir=tmp_path / "p", quick=True,
+                               device="cpu", log=lambda *a: None)
+    for name in ("steps.csv", "swap.csv", "copy.csv", "meta.json"):
+        assert (out / name).is_file()
+    steps = pd.read_csv(out / "steps.csv")
+    assert set(steps["family"]) == {"decode", "prefill", "mixed"}
+    assert (steps["time_s"] > 0).all()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["model"] == "tiny" and meta["torch"] == torch.__version__
+    fit = F.fit_profile(out)
+    assert fit["block_sizes"] == [16] and fit["holdout"]["rows"] > 0
+
+
+def test_simkv_fit_json_end_to_end(tmp_path):
+    import subprocess
+    import sys
+    prof = synthetic_profile(tmp_path, noise=0.01)
+    run = subprocess.run([sys.executable, "-m", "simkv.cli", "fit", str(prof), "--out",
+                          str(tmp_path / "out"), "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["block_sizes"] == [16, 64]
+    assert {"median", "p95"} <= set(out["holdout_error"])
+    assert json.loads((tmp_path / "out" / "fit.json").read_text())["step"] == out["step"]
+
+
+def test_simkv_fit_on_a_missing_directory_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "simkv.cli", "fit", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1

@@ -1,0 +1,211 @@
+"""ProfiledCostModel: step seconds from a fit.json, for a block size and KV dtype."""
+import json
+import math
+
+import pytest
+
+from simkv.core.plan import ScheduledSeq, StepPlan
+from simkv.core.request import Sequence
+from simkv.core.specs import load_gpu, load_model
+from simkv.costmodel.profiled import ProfiledCostModel, find_profile
+from simkv.errors import InputError
+
+KNOTS = [1, 8, 64, 512]
+
+
+def coefs(scale: float) -> dict:
+    return {"t_linear_s": [1e-3 * scale, 2e-3 * scale, 3e-3 * scale, 1e-2 * scale],
+            "a_decode_s_per_token": [1e-8 * scale], "a_prefill_s_per_pair": 1e-12,
+            "a_prefill_ctx_s_per_token": 2e-9, "c_seq_s": 1e-6, "c_eager_s": 1e-4,
+            "host_floor_s": 0.0, "host_floor_s_per_seq": 0.0}
+
+
+def write_fit(tmp_path, **changes) -> "Path":
+    fit = {"format": "simkv-fit/1", "gpu": "h200", "model": "llama-3.1-8b", "kv_dtype": "bf16",
+           "block_sizes": [16, 64], "token_knots": KNOTS, "graph_batch_sizes": [1, 2, 4, 8],
+           "kv_bytes_per_token": 131072, "form": "base",
+           "step": {"16": coefs(1.0), "64": coefs(2.0)},
+           "swap": {"out": {"c0_s": 1e-5, "c_block_s": 0.0, "c_byte_s": 2e-11},
+                    "in": {"c0_s": 1e-5, "c_block_s": 0.0, "c_byte_s": 2e-11}},
+           "copy": {"c0_s": 2e-5, "c_block_s": 1e-7, "c_byte_s": 0.0},
+           "holdout_error": {"median": 0.01, "p95": 0.03}}
+    fit.update(changes)
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(fit))
+    return path
+
+
+def plan_of(items, **extra) -> StepPlan:
+    """A plan of (start, num_tokens, is_decode) items with the scheduler's features."""
+    plan = StepPlan(step=0, now_s=0.0, **extra)
+    for i, (start, n, is_decode) in enumerate(items):
+        seq = Sequence(seq_id=i, request=None, sample=0, num_tokens=start + n)
+        plan.scheduled.append(ScheduledSeq(seq, start, n, is_decode))
+        if is_decode:
+            plan.num_decode_tokens += 1
+            plan.decode_context_tokens += start + 1
+        else:
+            plan.num_prefill_tokens += n
+            plan.num_prefill_seqs += 1
+            plan.prefill_context_tokens += start + n
+            plan.prefill_attention_pairs += n * start + n * (n + 1) // 2
+    return plan
+
+
+def test_predicts_a_prefill_step_from_its_terms(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    plan = plan_of([(0, 64, False)])                   # 64 tokens, eager
+    pairs = 64 * 65 // 2
+    expected = 3e-3 + 1e-12 * pairs + 2e-9 * 64 + 1e-6 + 1e-4
+    assert m.predict(plan) == pytest.approx(expected)
+    assert m.name == "profile:h200/llama-3.1-8b" and m.is_estimate is False
+
+
+def test_a_decode_batch_runs_as_a_graph_padded_to_its_bucket(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    plan = plan_of([(99, 1, True)] * 3)                # 3 decodes -> graph of 4, no eager cost
+    t_lin_at_4 = 1e-3 + (4 - 1) / (8 - 1) * (2e-3 - 1e-3)
+    assert m.predict(plan) == pytest.approx(t_lin_at_4 + 1e-8 * 300 + 3e-6)
+
+
+def test_a_decode_batch_beyond_the_captured_graphs_runs_eagerly(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    plan = plan_of([(9, 1, True)] * 9)                 # 9 > 8 captured: eager, unpadded
+    t_lin_at_9 = 2e-3 + (9 - 8) / (64 - 8) * (3e-3 - 2e-3)
+    assert m.predict(plan) == pytest.approx(t_lin_at_9 + 1e-8 * 90 + 9e-6 + 1e-4)
+
+
+def test_a_small_eager_step_takes_at_least_the_host_floor(tmp_path):
+    fit = json.loads(write_fit(tmp_path).read_text())
+    fit["step"]["16"].update(host_floor_s=0.02, host_floor_s_per_seq=1e-4)
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    m = ProfiledCostModel.load(tmp_path / "fit.json", block_size=16)
+    assert m.predict(plan_of([(0, 64, False), (9, 1, True)])) == pytest.approx(0.0202)
+    assert m.predict(plan_of([(9, 1, True)] * 2)) < 0.01          # graphed: no host floor
+
+
+def test_copies_and_swaps_add_their_fitted_cost(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16,
+                               model=load_model("llama-3.1-8b"))
+    bytes_per_block = 131072 * 16
+    plan = plan_of([], block_copies=[(1, 2), (3, 4)], swap_out=[(5, 0)])
+    assert m.predict(plan) == pytest.approx(2e-5 + 2e-7 + 1e-5 + 2e-11 * bytes_per_block)
+    assert m.predict(plan_of([])) == 0.0
+
+
+def test_a_block_size_between_profiled_ones_is_interpolated_in_log2(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=32)
+    # log2(32) is halfway between log2(16) and log2(64): coefficients are the mean
+    assert m.coefs["t_linear_s"][0] == pytest.approx(1.5e-3)
+    assert m.coefs["a_decode_s_per_token"][0] == pytest.approx(1.5e-8)
+    d = m.describe()
+    assert d["interpolated"] is True and "interpolated" in d["notes"][0]
+    assert d["profiled_block_sizes"] == [16, 64]
+    lo = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    hi = ProfiledCostModel.load(write_fit(tmp_path), block_size=64)
+    plan = plan_of([(500, 1, True)] * 20 + [(0, 100, False)])
+    assert lo.predict(plan) < m.predict(plan) < hi.predict(plan)
+
+
+@pytest.mark.parametrize("block_size", [8, 128])
+def test_a_block_size_outside_the_profiled_range_names_the_covered_sizes(tmp_path, block_size):
+    from simkv.costmodel.profiled import BlockSizeNotProfiled
+    with pytest.raises(BlockSizeNotProfiled, match=f"block size {block_size}.*16, 64") as e:
+        ProfiledCostModel.load(write_fit(tmp_path), block_size=block_size)
+    assert isinstance(e.value, InputError)
+
+
+def test_corrupt_fit_json_names_the_file(tmp_path):
+    path = tmp_path / "fit.json"
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="fit.json.*not valid JSON"):
+        ProfiledCostModel.load(path)
+
+
+@pytest.mark.parametrize("key,where", [("token_knots", "token_knots"), ("step", "step")])
+def test_a_missing_key_names_the_file_and_key(tmp_path, key, where):
+    path = write_fit(tmp_path)
+    fit = json.loads(path.read_text())
+    del fit[key]
+    path.write_text(json.dumps(fit))
+    with pytest.raises(InputError, match=f"fit.json.*'{where}'"):
+        ProfiledCostModel.load(path)
+
+
+def test_a_missing_coefficient_names_its_block_size_and_key(tmp_path):
+    fit = json.loads(write_fit(tmp_path).read_text())
+    del fit["step"]["64"]["c_seq_s"]
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    with pytest.raises(InputError, match=r"'step\.64\.c_seq_s'"):
+        ProfiledCostModel.load(tmp_path / "fit.json")
+
+
+def test_a_non_numeric_coefficient_is_input_error(tmp_path):
+    fit = json.loads(write_fit(tmp_path).read_text())
+    fit["step"]["16"]["c_eager_s"] = "fast"
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    with pytest.raises(InputError, match="c_eager_s"):
+        ProfiledCostModel.load(tmp_path / "fit.json")
+
+
+def test_a_profile_of_another_gpu_is_refused(tmp_path):
+    with pytest.raises(InputError, match="h200.*h100"):
+        ProfiledCostModel.load(write_fit(tmp_path), gpu=load_gpu("h100"))
+
+
+def test_a_differently_shaped_model_is_refused(tmp_path):
+    path = write_fit(tmp_path, model_shape={"num_layers": 32, "hidden_size": 4096})
+    with pytest.raises(InputError, match="num_layers"):
+        ProfiledCostModel.load(path, model=load_model("llama-3.2-1b"))
+
+
+def test_fp8_kv_halves_the_kv_read_terms_and_says_so(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16, kv_dtype="fp8")
+    assert m.coefs["a_decode_s_per_token"][0] == pytest.approx(0.5e-8)
+    assert any("fp8" in n for n in m.describe()["notes"])
+
+
+def test_find_profile_looks_under_profiles_gpu_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIMKV_PROFILES", str(tmp_path))
+    assert find_profile("h200", "llama-3.1-8b") is None
+    target = tmp_path / "h200" / "llama-3.1-8b"
+    target.mkdir(parents=True)
+    write_fit(target)
+    assert find_profile("h200", "llama-3.1-8b") == target / "fit.json"
+
+
+def test_predict_is_finite_over_a_range_of_plans(tmp_path):
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    for b in (1, 7, 8, 100, 1000):
+        for ctx in (1, 100, 10000):
+            t = m.predict(plan_of([(ctx - 1, 1, True)] * b + [(ctx, 300, False)]))
+            assert math.isfinite(t) and t > 0
+
+
+def test_the_committed_8b_profile_predicts_its_measured_decode_step():
+    path = find_profile("h200", "llama-3.1-8b")
+    if path is None:
+        pytest.skip("no committed llama-3.1-8b profile")
+    m = ProfiledCostModel.load(path, block_size=16, model=load_model("llama-3.1-8b"),
+                               gpu=load_gpu("h200"))
+    # measured on the H200: 64 decodes of 512 tokens took 6.93 ms (steps.csv, block size 16)
+    assert m.predict(plan_of([(511, 1, True)] * 64)) == pytest.approx(6.93e-3, rel=0.08)
+    assert m.describe()["holdout_error"]["count"] > 0
+
+
+def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_composition():
+    from simkv.costmodel import fit as F
+    from simkv.gpu.profiler import design, features
+    path = find_profile("h200", "llama-3.1-8b")
+    if path is None:
+        pytest.skip("no committed llama-3.1-8b profile")
+    fit = json.loads(path.read_text())
+    layout = F.StepLayout(tuple(fit["token_knots"]), tuple(fit["graph_batch_sizes"]),
+                          **{k: v for k, v in fit["layout"].items()
+                             if k not in ("token_knots", "graph_batch_sizes")})
+    m = ProfiledCostModel.load(path, block_size=32)
+    for point in design():
+        f = features(point.items)
+        f["graph"] = int(f["num_prefill_tokens"] == 0 and f["num_decode_seqs"] <= 256)
+        expected = F.predict_step(fit["step"]["32"], f, layout, 32)
+        assert m.predict(plan_of(point.items)) == pytest.approx(expected, rel=1e-9), point.id
