@@ -8,12 +8,12 @@ from simkv.errors import InputError
 
 def load_cost_model(scenario):
     """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json."""
-    from simkv.costmodel.roofline import RooflineCostModel
     choice = scenario.cost_model
     cache = scenario.cache
     if choice in ("auto", "profile") or (choice not in ("roofline",) and Path(choice).suffix):
         try:
-            from simkv.costmodel.profiled import find_profile, ProfiledCostModel
+            from simkv.costmodel.profiled import (BlockSizeNotProfiled, ProfiledCostModel,
+                                                  find_profile)
         except ImportError:   # no profiled model in this build
             find_profile = None
         path = None
@@ -25,13 +25,33 @@ def load_cost_model(scenario):
         elif find_profile is not None:
             path = find_profile(scenario.gpu.name, scenario.model.name)
         if path is not None and find_profile is not None:
-            return ProfiledCostModel.load(path, block_size=cache.block_size,
-                                          kv_dtype=cache.kv_dtype, model=scenario.model,
-                                          gpu=scenario.gpu)
+            try:
+                return ProfiledCostModel.load(path, block_size=cache.block_size,
+                                              kv_dtype=cache.kv_dtype, model=scenario.model,
+                                              gpu=scenario.gpu)
+            except BlockSizeNotProfiled as e:
+                if choice != "auto":
+                    raise
+                fallback = _roofline(scenario)
+                fallback.note = f"{fallback.note} (the profile does not apply: {e})"
+                return fallback
         if choice == "profile":
             raise InputError(f"cost_model: profile: no profile for gpu {scenario.gpu.name} and "
                              f"model {scenario.model.name} (use auto or roofline)")
     elif choice != "roofline":
         raise InputError(f"cost_model: unknown value {choice!r} (auto, profile, roofline, or a "
                          "path to a fit.json)")
-    return RooflineCostModel(scenario.model, scenario.gpu, cache.kv_dtype, cache.block_size)
+    return _roofline(scenario)
+
+
+def _roofline(scenario):
+    """The roofline model with the calibrated efficiencies when a calibration exists."""
+    from simkv.core.specs import profiles_dir
+    from simkv.costmodel.roofline import RooflineCostModel, load_calibration
+    calibration = load_calibration(scenario.gpu.name, profiles_dir())
+    model = RooflineCostModel(scenario.model, scenario.gpu, scenario.cache.kv_dtype,
+                              scenario.cache.block_size,
+                              calibration["params"] if calibration else None)
+    if calibration:
+        model.note = calibration["note"]
+    return model

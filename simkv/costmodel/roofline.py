@@ -9,7 +9,10 @@ defaults, and every result that uses this model says it is an estimate.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Optional
 
 
 @dataclass
@@ -20,6 +23,37 @@ class RooflineParams:
     step_overhead_s: float = 250e-6       # host work + launches per step
     per_seq_overhead_s: float = 2e-6      # host-side metadata per scheduled sequence
     host_link_efficiency: float = 0.80
+    # The calibrated form: a decode-only step of at most `graph_max_batch` sequences replays a
+    # CUDA graph (one fixed overhead); any other step launches its kernels from the host, a cost
+    # per layer. When these are set they replace step_overhead_s.
+    graph_step_overhead_s: Optional[float] = None
+    eager_overhead_s_per_layer: Optional[float] = None
+    graph_max_batch: int = 256
+
+
+def load_calibration(gpu_name: str, profiles: Path) -> Optional[dict]:
+    """The roofline calibration measured on `gpu_name`, else on any profiled GPU (the factors are
+    efficiencies, so they carry over as an estimate): {"params", "note"} or None."""
+    candidates = [profiles / gpu_name / "roofline_calibration.json"]
+    candidates += sorted(p for p in profiles.glob("*/roofline_calibration.json")
+                         if p not in candidates)
+    for path in candidates:
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+            chosen = data.get("proposed") or data
+            known = {f.name for f in fields(RooflineParams)}
+            params = RooflineParams(**{k: v for k, v in chosen["params"].items() if k in known})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue        # a corrupt calibration is ignored: the defaults remain
+        errors = ", ".join(f"{model}: median {e['median']:.1%}, p95 {e['p95']:.1%}"
+                           for model, e in (chosen.get("error") or {}).items())
+        note = (f"roofline estimate, efficiencies calibrated on {path.parent.name}/"
+                f"{data.get('calibrated_on', '?')}; error predicting another profiled model's "
+                f"step times: {errors or 'not measured'}")
+        return {"params": params, "note": note, "path": str(path)}
+    return None
 
 
 class RooflineCostModel:
@@ -27,6 +61,7 @@ class RooflineCostModel:
 
     name = "roofline"
     is_estimate = True
+    note = "roofline estimate from specs with default efficiencies (no calibration found)"
 
     def __init__(self, model, gpu, kv_dtype: str = "bf16", block_size: int = 16,
                  params: RooflineParams | None = None, weight_dtype_bytes: int = 2):
@@ -42,6 +77,7 @@ class RooflineCostModel:
         self.dense_params = model.num_params - embed * (1 if model.tie_word_embeddings else 2)
         self.lm_head_params = embed
         self.attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
+        self.num_layers = model.num_layers
         bw = gpu.hbm_bandwidth_bytes_per_s * p.bandwidth_efficiency
         self.seconds_per_byte = 1.0 / bw
         self.seconds_per_flop = 1.0 / (gpu.bf16_flops_per_s * p.flops_efficiency)
@@ -61,7 +97,13 @@ class RooflineCostModel:
             seconds += (kv_read + tokens) * self.kv_bytes_per_token * self.seconds_per_byte
             seconds += plan.prefill_attention_pairs * self.attn_flops_per_pair \
                 * self.seconds_per_attn_flop
-            seconds += p.step_overhead_s + p.per_seq_overhead_s * len(plan.scheduled)
+            if p.eager_overhead_s_per_layer is None:
+                seconds += p.step_overhead_s
+            elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens <= p.graph_max_batch:
+                seconds += p.graph_step_overhead_s or 0.0
+            else:
+                seconds += p.eager_overhead_s_per_layer * self.num_layers
+            seconds += p.per_seq_overhead_s * len(plan.scheduled)
         if plan.block_copies:
             seconds += 2 * len(plan.block_copies) * self.bytes_per_block * self.seconds_per_byte
         swapped = len(plan.swap_out) + len(plan.swap_in)
@@ -70,4 +112,5 @@ class RooflineCostModel:
         return seconds
 
     def describe(self) -> dict:
-        return {"name": self.name, "estimate": True, "params": asdict(self.params)}
+        return {"name": self.name, "estimate": True, "note": self.note,
+                "params": asdict(self.params)}
