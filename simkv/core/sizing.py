@@ -26,26 +26,35 @@ GIB = 1 << 30
 WEIGHT_DTYPE_BYTES = 2
 
 # --- Estimates used until a GPU profile exists ------------------------------------------------
+# Corrected against the measured H200 ledgers of llama-3.1-8b and llama-3.2-1b
+# (profiles/h200/*/ledger.json, `estimate_comparison`); docs/profiling.md has the figures.
+#
 # Activation workspace. vLLM sizes the KV pool after a profiling forward pass over
 # max_num_batched_tokens tokens, so the peak activation scales with that token budget. Inside one
-# layer the peak is the MLP: the residual stream and its normed copy (2 x hidden) live while the
-# gate/up output (2 x intermediate) and the SiLU-and-mul output (1 x intermediate) exist, all bf16.
-# Attention's q/k/v + output ((heads + 2 kv_heads + heads) x head_dim) is smaller for every model
-# here, but is taken when larger. Layers run one after another, so one layer's peak is the peak.
+# layer the peak is the MLP: gate/up output (2 x intermediate) and the SiLU-and-mul output
+# (1 x intermediate) live together with four hidden-size tensors (residual, normed copy, the
+# attention output and the residual sum), all bf16. The measured peaks are linear in the token
+# count through the origin: 118.8 KB/token for the 8B, 65.5 KB/token for the 1B, which this
+# formula reproduces to 1% (the first estimate counted two hidden-size tensors and was 15-19% low
+# per token). Attention's q/k/v + output is taken instead when larger.
 ACTIVATION_DTYPE_BYTES = 2
-# The sampler materialises fp32 logits for each sampled row (at most max_num_seqs rows, one per
-# sequence) and a probabilities tensor of the same shape: two fp32 copies of rows x vocab.
-LOGITS_COPIES = 2
+HIDDEN_SIZED_TENSORS = 4
+# The sampler's fp32 logits for each sampled row (at most max_num_seqs rows) exist after the
+# last layer, when the MLP workspace is gone: the peak is the larger of the two, not their sum
+# (the measured peaks show no logits term; the first estimate added two copies and was 13-23%
+# high in total).
 LOGITS_DTYPE_BYTES = 4
-# Everything else the runtime holds outside the PyTorch tensors above, about 1 GiB in total:
-# - the CUDA context with cuBLAS/cuDNN handles and workspaces (nvidia-smi shows ~0.5 GiB per
-#   process on Hopper before any tensor is allocated);
-# - the CUDA-graph memory pool for decode batch sizes up to max_num_seqs (vLLM logs 0.3-0.6 GiB
-#   for 7-8B models; we take 384 MiB);
-# - caching-allocator slack: fragmentation between freed segments (128 MiB).
-CUDA_CONTEXT_BYTES = 512 * MIB
-CUDA_GRAPH_POOL_BYTES = 384 * MIB
-ALLOCATOR_SLACK_BYTES = 128 * MIB
+# Everything else the runtime holds outside the PyTorch tensors above, about 1.5 GiB in total:
+# - memory outside PyTorch: CUDA context, cuBLAS handles and workspaces, Triton modules
+#   (measured 761-767 MiB on the H200, not the 512 MiB first assumed);
+# - the CUDA-graph memory pool for decode batch sizes up to max_num_seqs (measured 464 MiB for
+#   llama-3.2-1b);
+# - caching-allocator slack at the peak: fragmentation between freed segments (measured 254 MiB
+#   for the 1B; the 8B's 1.2 GiB of unattributed memory includes its graph pool, which the
+#   allocator did not report separately).
+CUDA_CONTEXT_BYTES = 768 * MIB
+CUDA_GRAPH_POOL_BYTES = 464 * MIB
+ALLOCATOR_SLACK_BYTES = 256 * MIB
 
 PROFILE_LEDGER_KEYS = (
     "weights_bytes",
@@ -109,10 +118,11 @@ def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> i
     tokens = scheduler.max_num_batched_tokens
     mlp_elems = 3 * model.intermediate_size
     attention_elems = (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    per_token = (2 * model.hidden_size + max(mlp_elems, attention_elems)) * ACTIVATION_DTYPE_BYTES
+    per_token = (HIDDEN_SIZED_TENSORS * model.hidden_size + max(mlp_elems, attention_elems)) \
+        * ACTIVATION_DTYPE_BYTES
     sampled_rows = min(scheduler.max_num_seqs, tokens)
-    logits = LOGITS_COPIES * sampled_rows * model.vocab_size * LOGITS_DTYPE_BYTES
-    return tokens * per_token + logits
+    logits = sampled_rows * model.vocab_size * LOGITS_DTYPE_BYTES
+    return max(tokens * per_token, logits)
 
 
 def read_profile_ledger(model: ModelSpec, gpu: GpuSpec) -> Optional[dict[str, Any]]:
