@@ -116,8 +116,8 @@ class Scheduler:
             items = []
             for seq in req.seqs:
                 num_new = seq.num_tokens - seq.num_computed_tokens
-                if num_new == 0:      # a child waiting for its sibling's prefill
-                    continue
+                if num_new == 0 or (seq.num_computed_tokens == 0 and seq is not req.seqs[0]):
+                    continue          # a sample waiting to re-fork from the first (_refork)
                 if num_new > 1:
                     if threshold and num_new > threshold:
                         num_new = threshold
@@ -164,7 +164,13 @@ class Scheduler:
                 break
             items = []
             admitted = []
-            for seq in req.seqs:
+            # Fix: a forked request preempted for recompute used to re-prefill every sample from
+            # scratch, all admitted at once: n copies of the prompt (no sharing without prefix
+            # caching, or past the first chunk), which could exceed the pool for ever (the
+            # simulator stopped with "requests wait but nothing can run"). Only the first sample
+            # is prefilled; the others re-fork from it once it has the prompt (_refork).
+            to_admit = req.seqs[:1]
+            for seq in to_admit:
                 cached_blocks, cached_tokens = kv.prefix_lookup(seq)
                 num_new = seq.num_tokens - seq.num_computed_tokens - cached_tokens
                 if threshold and num_new > threshold:
@@ -180,10 +186,14 @@ class Scheduler:
                 if num_new:
                     items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, False))
                 budget -= num_new
-            if len(admitted) < len(req.seqs):       # all of a request's sequences, or none
-                for seq, cached_tokens in admitted:
-                    seq.num_computed_tokens -= cached_tokens
+            if len(admitted) < len(to_admit):       # all of them, or none
+                # Fix: free while the hit still counts as computed, the last admitted first, so
+                # that the KV manager un-hashes exactly the blocks this admission allocated and
+                # nobody computed (a sibling may have hit them in this same admission). With one
+                # sequence admitted at a time this is general, not needed.
+                for seq, cached_tokens in reversed(admitted):
                     kv.free(seq)
+                    seq.num_computed_tokens -= cached_tokens
                 break
             waiting.popleft()
             for seq, cached_tokens in admitted:
@@ -237,9 +247,11 @@ class Scheduler:
                 self.swapped.append(victim)
                 return victim, index
             self.num_swap_fallbacks += 1
-        for seq in victim.seqs:
+        for k, seq in enumerate(victim.seqs):
             self.kv.free(seq)
-            victim.lost_tokens += seq.num_computed_tokens
+            # the other samples will share the first one's prompt again (_refork)
+            victim.lost_tokens += seq.num_computed_tokens if k == 0 else \
+                max(0, seq.num_computed_tokens - victim.prompt_tokens)
             seq.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
@@ -312,9 +324,12 @@ class Scheduler:
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
+            req = seq.request
+            if len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
+                    and seq.num_computed_tokens >= req.prompt_tokens:
+                self._refork(plan, req, seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue                      # a prefill chunk: no token yet
-            req = seq.request
             if outputs is not None:
                 seq.token_ids.append(outputs[seq.seq_id])
             seq.num_tokens += 1
@@ -341,6 +356,14 @@ class Scheduler:
             self.kv.fork(parent, child)
             plan.forked.append((parent.seq_id, child.seq_id))
         self.num_running_seqs += req.n - 1
+
+    def _refork(self, plan: StepPlan, req: Request, first: Sequence) -> None:
+        """After a recompute, the first sample has the prompt again: the others share its prompt
+        blocks and prefill only their own outputs."""
+        for seq in req.seqs[1:]:
+            self.kv.fork(first, seq, req.prompt_tokens)
+            seq.num_computed_tokens = req.prompt_tokens
+            plan.forked.append((first.seq_id, seq.seq_id))
 
     def _finish_seqs(self, req: Request, now: float) -> None:
         for seq in list(req.seqs):

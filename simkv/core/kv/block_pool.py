@@ -71,6 +71,13 @@ class BlockPool:
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
 
+    def uncache(self, block: int) -> None:
+        """Drop an in-use block's hash from the index (its contents will not be computed)."""
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+
     def lookup(self, block_hash):
         return self.cached.get(block_hash)
 

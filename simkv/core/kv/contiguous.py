@@ -26,6 +26,7 @@ class ContiguousKVCacheManager:
         self.host = HostPool(num_host_blocks)
         self.copies: list = []
         self.seqs: dict = {}
+        self.unforked: dict = {}        # child seq_id -> (child, parent): forks without a slab
         self.num_cow_copies = 0
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
@@ -99,12 +100,22 @@ class ContiguousKVCacheManager:
         needed = -(-end // self.block_size)
         res = self.reservations.get(seq.seq_id)
         if res is None:
+            # Fix: a fork child that found no slab used to get a fresh slab here without the
+            # parent's K/V (no copy recorded). Copy the parent's used blocks now (a parent that
+            # is freed first hands its slab over instead: see free).
+            parent = self.unforked.get(seq.seq_id, (None, None))[1]
             index = self._find(self.slab_blocks, self.watermark_blocks if admission else 0)
             if index is None:
                 return False
             start = self._reserve(index, self.slab_blocks)
             res = self.reservations[seq.seq_id] = (start, self.slab_blocks)
             self.seqs[seq.seq_id] = seq
+            if parent is not None:
+                del self.unforked[seq.seq_id]
+                used = -(-seq.num_computed_tokens // self.block_size)
+                seq.block_table = list(range(start, start + used))
+                self.copies.extend(zip(parent.block_table[:used], seq.block_table))
+                self.num_cow_copies += used
         if needed > res[1]:
             return False
         table = seq.block_table
@@ -112,25 +123,46 @@ class ContiguousKVCacheManager:
             table.extend(range(res[0] + len(table), res[0] + needed))
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child gets its own slab; the parent's used blocks are copied into it.
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """The child gets its own slab; the parent's used blocks (those holding its first
+        `num_tokens` tokens, when given) are copied into it.
 
-        A fork that finds no room leaves the child without blocks; its first allocation then
-        fails and the scheduler preempts, as for any sequence that cannot grow.
+        A fork that finds no room leaves the child without blocks; its first allocation takes a
+        slab and the copies if one has freed up, else fails and the scheduler preempts, as for any
+        sequence that cannot grow.
         """
-        index = self._find(self.slab_blocks)
-        if index is None:
-            return
-        start = self._reserve(index, self.slab_blocks)
-        self.reservations[child.seq_id] = (start, self.slab_blocks)
-        child.block_table = list(range(start, start + len(parent.block_table)))
+        res = self.reservations.get(child.seq_id)   # a re-fork may find its swapped-in slab
+        if res is None:
+            index = self._find(self.slab_blocks)
+            if index is None:
+                self.unforked[child.seq_id] = (child, parent)
+                return
+            res = self.reservations[child.seq_id] = (self._reserve(index, self.slab_blocks),
+                                                     self.slab_blocks)
+        start = res[0]
+        used = len(parent.block_table) if num_tokens is None else -(-num_tokens // self.block_size)
+        child.block_table = list(range(start, start + used))
         self.copies.extend(zip(parent.block_table, child.block_table))
-        self.num_cow_copies += len(parent.block_table)
+        self.num_cow_copies += used
         self.seqs[child.seq_id] = child
 
     def free(self, seq: Sequence) -> None:
+        self.unforked.pop(seq.seq_id, None)
         res = self.reservations.pop(seq.seq_id, None)
-        if res is not None:
+        heirs = [c for c, p in self.unforked.values() if p is seq] if res and self.unforked else ()
+        if heirs:
+            # Fix: a child still waiting for a slab needs this sequence's K/V, which no other
+            # slab holds (it used to be stranded, and every later request preempted for it):
+            # it takes the slab over as it is; its siblings wait on it instead.
+            heir = heirs[0]
+            del self.unforked[heir.seq_id]
+            self.reservations[heir.seq_id] = res
+            heir.block_table = list(range(res[0], res[0] - (-heir.num_computed_tokens
+                                                            // self.block_size)))
+            self.seqs[heir.seq_id] = heir
+            for other in heirs[1:]:
+                self.unforked[other.seq_id] = (other, heir)
+        elif res is not None:
             self._release(*res)
         for block in seq.host_table or ():
             self.host.release(block)
@@ -148,11 +180,18 @@ class ContiguousKVCacheManager:
         total = sum(len(s.block_table) for s in seqs)
         if total > len(self.host.free):
             return None
+        # Fix: a fork child still waiting for its slab holds no blocks of its own (its KV is the
+        # parent's); it used to raise KeyError here after the parent had been moved. Refuse
+        # instead, before changing anything: the scheduler falls back to recompute.
+        if any(s.num_computed_tokens and s.seq_id not in self.reservations for s in seqs):
+            return None
         mapping = []
         for seq in seqs:
             seq.host_table = [self.host.take() for _ in seq.block_table]
             mapping.extend(zip(seq.block_table, seq.host_table))
-            self._release(*self.reservations.pop(seq.seq_id))
+            res = self.reservations.pop(seq.seq_id, None)   # none: a sample waiting to re-fork
+            if res is not None:
+                self._release(*res)
             seq.block_table = []
         self.swapped_out_blocks += total
         return mapping

@@ -155,18 +155,27 @@ class PagedKVCacheManager:
             cache(table[i], hashes[i])
         seq.num_cached_blocks = num_full
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares every block of the parent; nothing is allocated."""
-        child.block_table = list(parent.block_table)
-        child.num_cached_blocks = parent.num_cached_blocks
-        child.block_hashes = list(parent.block_hashes[:parent.num_cached_blocks])
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """The child shares every block of the parent (or those holding its first `num_tokens`
+        tokens, to re-fork after a recompute); nothing is allocated."""
+        table = parent.block_table
+        num_cached = parent.num_cached_blocks
+        if num_tokens is not None:
+            table = table[:-(-num_tokens // self.block_size)]
+            num_cached = min(num_cached, num_tokens // self.block_size)
+        child.block_table = list(table)
+        child.num_cached_blocks = num_cached
+        child.block_hashes = list(parent.block_hashes[:num_cached])
         self.pool.touch(child.block_table)
         self.seqs[child.seq_id] = child
 
     def free(self, seq: Sequence) -> None:
-        """Release everything a sequence holds, device and host; the tail is evicted first."""
+        """Release everything a sequence holds, device and host; the tail is evicted first.
+
+        Call it while `seq.num_computed_tokens` still counts what was computed (see _release).
+        """
         if seq.block_table:
-            self.pool.release(reversed(seq.block_table))
+            self._release(seq)
             seq.block_table = []
         if seq.host_table:
             for block in seq.host_table:
@@ -174,6 +183,24 @@ class PagedKVCacheManager:
         seq.host_table = None
         seq.num_cached_blocks = 0
         self.seqs.pop(seq.seq_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop the sequence's device references, tail first.
+
+        Fix: full blocks are hashed when their slots are allocated, before the step computes them
+        (so that prompts admitted together share). If the sequence is freed before that step runs
+        (an admission rolled back, a request preempted in the step that scheduled it), such a
+        block used to go back to the free queue still hashed, and a later lookup hit K/V that
+        was never computed. A block not fully computed by this sequence, whose last reference
+        this is, now loses its hash first.
+        """
+        pool = self.pool
+        table = seq.block_table
+        if self.enable_prefix_caching:
+            for block in table[seq.num_computed_tokens // self.block_size:]:
+                if pool.ref_cnt[block] == 1:
+                    pool.uncache(block)
+        pool.release(reversed(table))
 
     def take_copies(self) -> list:
         """The (src, dst) block copies recorded since the last call."""
@@ -199,7 +226,7 @@ class PagedKVCacheManager:
         for block, count in counts.items():   # one reference per table that holds the block
             self.host.ref_cnt[block] = count
         for seq in seqs:
-            self.pool.release(reversed(seq.block_table))
+            self._release(seq)
             seq.block_table = []
             seq.num_cached_blocks = 0
         self.swapped_out_blocks += len(mapping)
