@@ -25,7 +25,7 @@ SCENARIO = f"""\
 name: azure-conv-speed
 model: llama-3.1-8b
 gpu: h200
-cost_model: roofline
+cost_model: auto
 cache: {{block_size: 16}}
 workload: {{trace: {TRACE}}}
 """

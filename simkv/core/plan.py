@@ -38,6 +38,7 @@ class StepPlan:
     num_decode_tokens: int = 0
     num_prefill_seqs: int = 0
     decode_context_tokens: int = 0      # sum of decode sequences' context lengths
+    decode_max_context: int = 0         # the longest decode context (the kernel's busiest program)
     prefill_context_tokens: int = 0     # sum of prefill chunks' context lengths after the step
     prefill_attention_pairs: int = 0    # query-key pairs of prefill attention (causal)
     # memory operations the executor performs before the forward

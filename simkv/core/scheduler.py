@@ -113,10 +113,13 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            items = []
-            for seq in req.seqs:
-                num_new = seq.num_tokens - seq.num_computed_tokens
-                if num_new == 0 or (seq.num_computed_tokens == 0 and seq is not req.seqs[0]):
+            mark = len(scheduled)     # this request's items start here
+            preempted_self = False
+            seqs = req.seqs
+            for seq in seqs:
+                computed = seq.num_computed_tokens
+                num_new = seq.num_tokens - computed
+                if num_new == 0 or (computed == 0 and seq is not seqs[0]):
                     continue          # a sample waiting to re-fork from the first (_refork)
                 if num_new > 1:
                     if threshold and num_new > threshold:
@@ -130,20 +133,22 @@ class Scheduler:
                 while not kv.allocate_slots(seq, num_new):
                     victim, index = self._preempt(plan)
                     if victim is req:
-                        items = None
+                        preempted_self = True
                         break
                     if index < i:          # priority policy: a request already served this step
                         i -= 1
+                        mark -= self._count_items(plan, victim)
                         budget += self._unschedule(plan, victim)
-                if items is None:
+                if preempted_self:
                     break
-                items.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new,
-                                          num_new == 1 and seq.num_computed_tokens
-                                          >= req.prompt_tokens))
+                scheduled.append(ScheduledSeq(seq, computed, num_new,
+                                              num_new == 1 and computed >= req.prompt_tokens))
                 budget -= num_new
-            if items is None:       # the request preempted itself; running shrank under us
+            if preempted_self:        # its items leave the plan; running shrank under us
+                for item in scheduled[mark:]:
+                    budget += item.num_tokens
+                del scheduled[mark:]
                 continue
-            scheduled.extend(items)
             i += 1
 
         if not plan.preempted:
@@ -258,6 +263,10 @@ class Scheduler:
         return victim, index
 
     @staticmethod
+    def _count_items(plan: StepPlan, req: Request) -> int:
+        return sum(1 for item in plan.scheduled if item.seq.request is req)
+
+    @staticmethod
     def _unschedule(plan: StepPlan, victim: Request) -> int:
         """Drop a preempted request's work from this step's plan; returns the tokens freed."""
         kept, freed = [], 0
@@ -292,17 +301,21 @@ class Scheduler:
     def _finalise(self, plan: StepPlan) -> None:
         """Cost-model features, block copies and the state snapshot."""
         prefill_tokens = decode_tokens = prefill_seqs = 0
-        decode_ctx = prefill_ctx = pairs = 0
+        decode_ctx = prefill_ctx = pairs = longest = 0
         for item in plan.scheduled:
-            n = item.num_tokens
             if item.is_decode:
                 decode_tokens += 1
-                decode_ctx += item.start + 1
+                ctx = item.start + 1
+                decode_ctx += ctx
+                if ctx > longest:
+                    longest = ctx
             else:
+                n = item.num_tokens
                 prefill_seqs += 1
                 prefill_tokens += n
                 prefill_ctx += item.start + n
                 pairs += n * item.start + n * (n + 1) // 2
+        plan.decode_max_context = longest
         plan.num_prefill_tokens = prefill_tokens
         plan.num_decode_tokens = decode_tokens
         plan.num_prefill_seqs = prefill_seqs
@@ -323,25 +336,27 @@ class Scheduler:
         itl = self.itl_s
         for item in plan.scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
             req = seq.request
-            if len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
-                    and seq.num_computed_tokens >= req.prompt_tokens:
+            computed = seq.num_computed_tokens + item.num_tokens
+            seq.num_computed_tokens = computed
+            if req.n > 1 and len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
+                    and computed >= req.prompt_tokens:
                 self._refork(plan, req, seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if computed < seq.num_tokens:
                 continue                      # a prefill chunk: no token yet
             if outputs is not None:
                 seq.token_ids.append(outputs[seq.seq_id])
             seq.num_tokens += 1
-            seq.num_output_tokens += 1
-            if seq.num_output_tokens == 1 and req.first_token_s != req.first_token_s:
-                req.first_token_s = now       # first token of the request (NaN check)
-            elif seq.num_output_tokens > 1:
+            out = seq.num_output_tokens + 1
+            seq.num_output_tokens = out
+            if out > 1:
                 itl.append(now - seq.last_token_s)
+            elif req.first_token_s != req.first_token_s:
+                req.first_token_s = now       # first token of the request (NaN check)
             seq.last_token_s = now
             if req.n > 1 and len(req.all_seqs) == 1:
                 self._fork(plan, req, seq)
-            if seq.num_output_tokens >= req.output_tokens:
+            if out >= req.output_tokens:
                 self._finish_seqs(req, now)
 
     def _fork(self, plan: StepPlan, req: Request, parent: Sequence) -> None:

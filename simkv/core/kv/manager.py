@@ -106,6 +106,14 @@ class PagedKVCacheManager:
         """
         bs = self.block_size
         table = seq.block_table
+        if num_new_tokens == 1 and not cached_blocks:
+            # The common decode: the token lands in the sequence's own partial tail block.
+            start = seq.num_computed_tokens
+            if start % bs and len(table) == start // bs + 1 \
+                    and self.pool.ref_cnt[table[-1]] == 1:
+                if (start + 1) % bs == 0 and self.enable_prefix_caching:
+                    self._cache_full_blocks(seq, start + 1)
+                return True
         num_cached = len(cached_blocks)
         start = seq.num_computed_tokens + num_cached * bs
         end = start + num_new_tokens
@@ -139,7 +147,7 @@ class PagedKVCacheManager:
         if num_new_blocks:
             table.extend(pool.take(num_new_blocks))
         self.seqs[seq.seq_id] = seq
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and end // bs > seq.num_cached_blocks:
             self._cache_full_blocks(seq, end)
         return True
 
