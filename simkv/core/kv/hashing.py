@@ -39,6 +39,10 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
         last = (i + 1) * block_size - 1
         if tokens is not None:
             key = tuple(tokens[i * block_size:last + 1])
+            if last >= prompt:
+                # Sampled tokens are the sample's own: equal greedy samples must not share
+                # blocks, or the engine would share what the simulator keeps apart.
+                key = (key, seq.sample)
         elif last < prompt and ids is not None and last // pbt < len(ids):
             key = (ids[last // pbt], last)
         elif last < prompt:
