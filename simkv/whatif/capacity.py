@@ -1,0 +1,307 @@
+"""Capacity search: the highest arrival rate at which a scenario still meets its SLOs.
+
+Load is changed the way `workload.time_scale` changes it: every inter-arrival time of the
+scenario's requests is multiplied by a scale, so the rate is `requests / duration / scale` with
+`duration` the span of arrivals at scale 1. The search brackets (doubling or halving the rate from
+the scenario's own) and then bisects until the bracket is narrower than `tolerance` (relative).
+The answer is verified: the SLOs hold at the returned rate and fail at 1.1 × that rate (if the
+latter passes, the search continues above it).
+
+When a scenario "meets its SLOs" (`judge_slo`, also used by the capacity notebook):
+- Per-request SLOs (`ttft_s`, `tpot_s`, `e2e_s`): at least `attainment` (default 90%) of the
+  requests that were not cancelled by their client complete and meet every one of them at once
+  (a request with one output token has no TPOT and passes that bound). Rejected requests count
+  as misses. With one such SLO this is the same as its p90 being within the bound.
+- `itl_s` and `queue_s` are not per-request columns: their plain keys bound the p90 of the
+  summary's family (the same 90% level).
+- Percentile and mean SLOs (`ttft_p99_s`, `tpot_mean_s`, ...) bound that figure of the summary.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from simkv.core.config import with_overrides
+from simkv.core.metrics import slo_met, slo_percentile_failures
+from simkv.errors import InputError
+
+SLO_ATTAINMENT = 0.9           # fraction of requests that must meet every per-request SLO
+PER_REQUEST_SLOS = ("ttft_s", "tpot_s", "e2e_s")
+P90_SLOS = ("itl_s", "queue_s")   # plain keys without a per-request column: bound the p90
+ABOVE_FACTOR = 1.1             # the SLOs must fail this much above the returned rate
+MAX_DOUBLINGS = 14
+MAX_HALVINGS = 10
+# two-sided 95% Student t quantiles for 1..30 degrees of freedom (no scipy dependency)
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+# ----------------------------------------------------------------------------------------------
+# Does a result meet the SLOs?
+
+
+@dataclass
+class SloVerdict:
+    met: bool
+    attainment: Optional[float]   # fraction meeting every per-request SLO; None without one
+    failures: list = field(default_factory=list)   # (what, bound, value)
+
+    def describe(self) -> str:
+        if self.met:
+            return "all SLOs met"
+        return "; ".join(f"{what} = {_num(value)} (bound {_num(bound)})"
+                         for what, bound, value in self.failures)
+
+
+def judge_slo(summary: dict, requests: pd.DataFrame, slo: dict,
+              attainment: float = SLO_ATTAINMENT) -> SloVerdict:
+    """Judge a run (its summary and requests frame) against `slo`, by the rule of this module."""
+    failures = []
+    per_request = {k: v for k, v in slo.items() if k in PER_REQUEST_SLOS}
+    fraction = None
+    if per_request:
+        served = requests[requests["status"] != "cancelled"]
+        completed = served[served["status"] == "completed"]
+        met = int(slo_met(completed, per_request).sum())
+        fraction = met / len(served) if len(served) else None
+        if fraction is None or fraction < attainment:
+            bounds = ", ".join(f"{k} <= {_num(v)}" for k, v in per_request.items())
+            failures.append((f"fraction of requests meeting {bounds}", attainment, fraction))
+    for key in P90_SLOS:
+        if key in slo:
+            value = (summary.get(key) or {}).get("p90")
+            if value is None or value > slo[key]:
+                failures.append((f"{key}.p90", slo[key], value))
+    for key, bound, value in slo_percentile_failures(summary, slo):
+        failures.append((key, bound, value))
+    return SloVerdict(not failures, fraction, failures)
+
+
+def _num(value) -> str:
+    return "none" if value is None else f"{value:.4g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class Probe:
+    rate_rps: float
+    rate_scale: float             # the workload.time_scale giving that rate
+    verdict: SloVerdict
+    summary: dict
+
+
+@dataclass
+class CapacityResult:
+    max_rate_rps: float
+    rate_scale: float
+    slo: dict
+    attainment: float
+    tolerance: float
+    summary: dict                 # at max_rate_rps
+    at_rate: Probe
+    above: Probe                  # at ABOVE_FACTOR × max_rate_rps: fails
+    probes: list                  # every probe, in the order run: (rate_rps, met)
+    ci: Optional[dict] = None
+
+    def to_json(self) -> dict:
+        out = {
+            "max_rate_rps": self.max_rate_rps,
+            "rate_scale": self.rate_scale,
+            "slo": dict(self.slo),
+            "slo_attainment": self.attainment,
+            "tolerance": self.tolerance,
+            "verified": {
+                "at_rate": {"rate_rps": self.at_rate.rate_rps, "met": self.at_rate.verdict.met,
+                            "attainment": self.at_rate.verdict.attainment},
+                "above": {"rate_rps": self.above.rate_rps, "rate_scale": self.above.rate_scale,
+                          "met": self.above.verdict.met,
+                          "attainment": self.above.verdict.attainment,
+                          "failures": [list(f) for f in self.above.verdict.failures]},
+            },
+            "probes": [{"rate_rps": r, "met": m} for r, m in self.probes],
+            "summary": self.summary,
+        }
+        if self.ci is not None:
+            out["ci"] = self.ci
+        return out
+
+
+class CapacitySearch:
+    """Probes one scenario's request frame at different rates (scaled arrivals)."""
+
+    def __init__(self, scenario, frame: pd.DataFrame, attainment: float = SLO_ATTAINMENT,
+                 overrides: Optional[dict] = None):
+        """`frame`: the requests at workload.time_scale 1 (arrivals from 0 s); `overrides`:
+        dotted keys that made `frame` (a replicate's seed), applied to every probe."""
+        self.scenario = scenario
+        self.frame = frame
+        self.overrides = dict(overrides or {})
+        self.attainment = attainment
+        span_s = float(frame["arrival_s"].iloc[-1]) if len(frame) else 0.0
+        if span_s <= 0:
+            raise InputError(f"{scenario.path or scenario.name}: the workload's arrivals span 0 s,"
+                             " so its rate cannot be scaled (it needs at least two arrival times)")
+        self.base_rate_rps = len(frame) / span_s
+        self.probes: dict[float, Probe] = {}
+        self.order: list = []
+
+    def scale_for(self, rate_rps: float) -> float:
+        return self.base_rate_rps / rate_rps
+
+    def probe(self, rate_rps: float) -> Probe:
+        """Simulate at `rate_rps` (memoised) and judge the SLOs."""
+        from simkv.sim.engine import simulate
+
+        if rate_rps in self.probes:
+            return self.probes[rate_rps]
+        scale = self.scale_for(rate_rps)
+        # Always from the scenario as loaded from its file: a Scenario made by with_overrides
+        # has no path, so its relative paths would resolve against the current folder.
+        scenario = with_overrides(self.scenario, {**self.overrides, "workload.time_scale": scale})
+        frame = self.frame.assign(arrival_s=self.frame["arrival_s"] * scale)
+        result = simulate(scenario, trace_df=frame)
+        verdict = judge_slo(result.summary, result.requests, scenario.slo, self.attainment)
+        probe = Probe(rate_rps, scale, verdict, result.summary)
+        self.probes[rate_rps] = probe
+        self.order.append((rate_rps, verdict.met))
+        return probe
+
+    def search(self, start_rate_rps: float, tolerance: float) -> tuple[Probe, Probe]:
+        """(highest passing probe, failing probe at ABOVE_FACTOR × its rate)."""
+        low, high = self._bracket(start_rate_rps)
+        while True:
+            while high.rate_rps / low.rate_rps - 1 > tolerance:
+                mid = self.probe((low.rate_rps + high.rate_rps) / 2)
+                low, high = (mid, high) if mid.verdict.met else (low, mid)
+            above = self.probe(low.rate_rps * ABOVE_FACTOR)
+            if not above.verdict.met:
+                return low, above
+            # Not monotone here (noise): the answer lies higher; bracket again from there.
+            low, high = self._bracket(above.rate_rps)
+
+    def _bracket(self, rate_rps: float) -> tuple[Probe, Probe]:
+        first = self.probe(rate_rps)
+        if first.verdict.met:
+            low = first
+            for _ in range(MAX_DOUBLINGS):
+                high = self.probe(low.rate_rps * 2)
+                if not high.verdict.met:
+                    return low, high
+                low = high
+            raise InputError(f"{self._name()}: the SLOs still hold at {low.rate_rps:.4g} "
+                             "requests/s; they do not bound the rate (tighten them)")
+        high = first
+        for _ in range(MAX_HALVINGS):
+            low = self.probe(high.rate_rps / 2)
+            if low.verdict.met:
+                return low, high
+            high = low
+        raise InputError(f"{self._name()}: the SLOs fail even at {high.rate_rps:.4g} requests/s "
+                         f"({high.verdict.describe()}); loosen them or change the scenario")
+
+    def _name(self) -> str:
+        return str(self.scenario.path or self.scenario.name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Replicates: the same search on resampled workloads, for a confidence interval
+
+
+def replicate_frame(scenario, replicate: int) -> tuple[dict, pd.DataFrame]:
+    """(overrides, requests at time_scale 1) for replicate k: k = 0 is the scenario as given;
+    a synthetic workload draws again with seed + k, a trace is block-bootstrapped (seeded)."""
+    from simkv.sim.setup import load_requests_frame
+
+    synthetic = scenario.workload.trace is None
+    overrides = {"seed": scenario.seed + replicate} if replicate and synthetic else {}
+    frame = load_requests_frame(with_overrides(scenario,
+                                               {**overrides, "workload.time_scale": 1.0}))
+    if replicate and not synthetic:
+        frame = block_bootstrap(frame, np.random.default_rng([scenario.seed, replicate]))
+    return overrides, frame
+
+
+def block_bootstrap(frame: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
+    """A moving-block bootstrap of a request frame: as many requests, drawn as runs of
+    ~sqrt(N) consecutive requests (each with the gap before it), so that bursts survive."""
+    count = len(frame)
+    block = max(1, int(math.sqrt(count)))
+    gaps = np.diff(frame["arrival_s"].to_numpy(), prepend=frame["arrival_s"].iloc[0])
+    starts = rng.integers(0, count - block + 1, size=-(-count // block))
+    rows = np.concatenate([np.arange(s, s + block) for s in starts])[:count]
+    out = frame.iloc[rows].reset_index(drop=True)
+    picked = gaps[rows]
+    picked[0] = 0.0
+    out["arrival_s"] = np.cumsum(picked)
+    out["request_id"] = np.arange(count, dtype=np.int64)
+    out.attrs.update(frame.attrs)
+    return out
+
+
+def _search_replicate(scenario, replicate: int, start_scale: float, tolerance: float,
+                      attainment: float) -> tuple[Probe, Probe, list]:
+    overrides, frame = replicate_frame(scenario, replicate)
+    search = CapacitySearch(scenario, frame, attainment, overrides)
+    low, above = search.search(search.base_rate_rps / start_scale, tolerance)
+    return low, above, search.order
+
+
+def confidence_interval(rates: list[float]) -> dict:
+    """95% Student t interval for the mean of `rates`."""
+    values = np.asarray(rates, dtype=float)
+    k = len(values)
+    mean = float(values.mean())
+    std = float(values.std(ddof=1)) if k > 1 else 0.0
+    t = T_975[k - 2] if 2 <= k <= 31 else 1.96
+    half = t * std / math.sqrt(k)
+    return {"level": 0.95, "low": mean - half, "high": mean + half, "mean": mean, "std": std,
+            "replicates": [float(r) for r in rates]}
+
+
+def find_capacity(scenario, *, tolerance: float = 0.02, replicates: int = 1,
+                  attainment: float = SLO_ATTAINMENT, workers: Optional[int] = None
+                  ) -> CapacityResult:
+    """The highest arrival rate (requests/s) at which `scenario` meets its SLOs.
+
+    `tolerance`: relative width of the final bracket. With `replicates` K > 1, K searches (the
+    scenario, then K − 1 reseeded or bootstrapped workloads) run in parallel and `ci` gives a
+    95% t interval of their rates; `max_rate_rps` is always the scenario's own.
+    """
+    if not scenario.slo:
+        raise InputError(f"{scenario.path or scenario.name}: the scenario sets no SLOs; add an "
+                         "slo section or --set slo.ttft_s=1.0 (valid keys: ttft_s, tpot_s, "
+                         "e2e_s, itl_s, queue_s, and percentile forms like ttft_p90_s)")
+    if not 0 < tolerance < round(ABOVE_FACTOR - 1, 9):   # finer than the +10% verification
+        raise InputError(f"--tolerance: must be in (0, {ABOVE_FACTOR - 1:.2f}), got {tolerance}")
+    if replicates < 1:
+        raise InputError(f"--replicates: must be >= 1, got {replicates}")
+    args = (scenario.workload.time_scale, tolerance, attainment)
+    if replicates == 1:
+        outcomes = [_search_replicate(scenario, 0, *args)]
+    else:
+        outcomes = _parallel(scenario, replicates, args, workers)
+    low, above, order = outcomes[0]
+    ci = confidence_interval([o[0].rate_rps for o in outcomes]) if replicates > 1 else None
+    return CapacityResult(max_rate_rps=low.rate_rps, rate_scale=low.rate_scale,
+                          slo=dict(scenario.slo), attainment=attainment, tolerance=tolerance,
+                          summary=low.summary, at_rate=low, above=above, probes=order, ci=ci)
+
+
+def _parallel(scenario, replicates: int, args: tuple, workers: Optional[int]) -> list:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(workers or os.cpu_count() or 1, replicates)
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+        futures = [pool.submit(_search_replicate, scenario, k, *args) for k in range(replicates)]
+        return [f.result() for f in futures]
