@@ -275,21 +275,6 @@ def trace_convert(
 
 
 # ----------------------------------------------------------------------------------------------
-# Commands that later issues implement. They accept any arguments until then.
-
-_ANY_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
-def _stub(name: str, help_text: str, group: typer.Typer = app, command: Optional[str] = None) -> None:
-    def stub(ctx: typer.Context) -> None:
-        raise _not_available(command or name)
-
-    stub.__doc__ = help_text
-    group.command(name, context_settings=_ANY_ARGS, help=help_text)(stub)
-
-
-
-# ----------------------------------------------------------------------------------------------
 # What-if: sweep, capacity, check
 
 
@@ -428,7 +413,24 @@ def _int_list(text: str, option: str) -> list[int]:
         raise InputError(f"{option}: {text!r} is not a comma-separated list of integers") from None
 
 
-_stub("validate", "Compare the simulator with the real engine (not available yet).")
+@app.command("validate")
+def validate(
+    scenario: Path = typer.Argument(..., help="Validation scenario YAML."),
+    device: str = typer.Option("cuda", "--device", help="cuda | cpu"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where measurements and results go."),
+    measured: Optional[Path] = typer.Option(None, "--measured",
+                                            help="Compare a saved measurement (CPU side only)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Folder of prepared trace windows."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when an error bound fails."),
+) -> int:
+    """Replay a scenario on the real engine, simulate it, and write the errors per metric."""
+    if device not in ("cuda", "cpu"):
+        raise InputError(f"--device: {device!r} is not one of cuda, cpu")
+    validate_command = _require("simkv.validate", "validate_command", "validate")
+    return validate_command(scenario, device=device, out_dir=out, measured_dir=measured,
+                            data_dir=data, strict=strict)
+
+
 
 
 # ----------------------------------------------------------------------------------------------

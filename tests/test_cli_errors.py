@@ -127,6 +127,7 @@ def test_bad_input_exits_2_with_one_error_line(tmp_path, argv_of, expected):
     assert expected in lines[0]
 
 
-def test_validate_is_not_available_yet(tmp_path):
-    result = simkv("validate", "anything", "--with-options", cwd=tmp_path)
-    assert (result.returncode, result.stderr) == (2, "error: simkv validate is not available yet\n")
+def test_validate_of_a_missing_scenario_is_bad_input(tmp_path):
+    result = simkv("validate", "nothing.yaml", "--measured", "nowhere", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1

@@ -64,6 +64,7 @@ class Scenario:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     slo: dict[str, float] = field(default_factory=dict)
     path: Optional[Path] = None                 # the scenario file, when loaded from one
+    base_dir: Optional[Path] = None             # relative paths resolve against this folder
     raw: dict[str, Any] = field(default_factory=dict)  # the merged YAML, for reports
 
 
@@ -457,15 +458,19 @@ def load_scenario(
         workload=workload,
         slo=slo,
         path=path,
+        base_dir=base_dir.resolve(),
         raw=raw,
     )
 
 
 def with_overrides(scn: Scenario, overrides: dict[str, Any]) -> Scenario:
     """A new Scenario: `scn`'s merged YAML with more dotted overrides, validated again."""
-    base_dir = scn.path.resolve().parent if scn.path else None
     source = str(scn.path) if scn.path else None
-    return load_scenario(scn.raw, overrides, base_dir=base_dir, source=source)
+    new = load_scenario(scn.raw, overrides, base_dir=scn.base_dir, source=source)
+    new.path = scn.path
+    if new.name == "scenario" and scn.path:
+        new.name = scn.name
+    return new
 
 
 def scenario_to_dict(scn: Scenario) -> dict[str, Any]:

@@ -6,6 +6,9 @@ import os
 import tempfile
 from pathlib import Path
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write through a temp file in the same folder and rename: readers never see half a file."""
@@ -15,6 +18,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", newline="") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600; results are ordinary files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,7 +20,7 @@ def load_requests_frame(scenario) -> pd.DataFrame:
         from simkv.core.traces import load_trace
         return load_trace(wl.trace, format=wl.format, time_scale=wl.time_scale, limit=wl.limit)
     from simkv.sim.workload import generate_synthetic
-    base_dir = scenario.path.parent if scenario.path else None
+    base_dir = scenario.base_dir or (scenario.path.parent if scenario.path else None)
     df = generate_synthetic(wl.synthetic or {}, scenario.seed, base_dir=base_dir)
     if wl.limit is not None:
         df = df.iloc[:wl.limit].copy()

@@ -1,0 +1,144 @@
+"""Validation pipeline on CPU: the real engine (`tiny`, float64, reference attention) measures a
+10-request trace, the simulator serves the same requests, and the comparison JSON is checked.
+
+The trace lives in a temporary folder; measuring goes through the window that `prepare_window`
+writes, with the trace itself moved away, as on the GPU machine that has no shared traces.
+"""
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from simkv.core.traces import build_trace, write_canonical  # noqa: E402
+from simkv.errors import InputError  # noqa: E402
+from simkv.validate import (ERROR_KEYS, check_bounds, compare_validation,  # noqa: E402
+                            load_validation_scenario, measure_validation, prepare_window,
+                            relative_error, requests_fingerprint, validate_command)
+from simkv.sim.setup import load_requests_frame  # noqa: E402
+
+SCENARIO = """\
+name: tiny-validation
+model: tiny
+gpu: h200
+seed: 0
+cache: {block_size: 4, num_gpu_blocks_override: 256, enable_prefix_caching: true}
+scheduler: {max_num_seqs: 8, max_num_batched_tokens: 32, max_model_len: 64}
+workload: {trace: trace.csv, format: csv, time_scale: 0.5, limit: 10}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_scenario(folder, scenario_text=SCENARIO):
+    """12 requests over 0.44 s of trace time (10 are served); prompts 5-20, outputs 3-6."""
+    prompts = [12, 5, 20, 9, 14, 7, 18, 11, 6, 16, 8, 10]
+    outputs = [4, 3, 6, 5, 3, 4, 6, 3, 5, 4, 3, 3]
+    columns = {"arrival_s": np.arange(12) * 0.04, "prompt_tokens": prompts,
+               "output_tokens": outputs}
+    write_canonical(build_trace(columns, source="test", format="csv"), folder / "trace.csv")
+    path = folder / "scenario.yaml"
+    path.write_text(scenario_text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """(scenario path, measurement folder): measured through the window, trace moved away."""
+    folder = tmp_path_factory.mktemp("validate")
+    path = write_scenario(folder)
+    prepare_window(path, folder / "data")
+    (folder / "trace.csv").rename(folder / "trace.away")
+    out = measure_validation(path, folder / "measured", device="cpu", data_dir=folder / "data",
+                             warmup_requests=2)
+    (folder / "trace.away").rename(folder / "trace.csv")
+    (out / "trace.csv").unlink()      # as committed: the comparison re-derives the window
+    return path, out
+
+
+def test_the_window_serves_the_same_requests_without_the_trace(tmp_path):
+    path = write_scenario(tmp_path)
+    before = load_requests_frame(load_validation_scenario(path))
+    prepare_window(path, tmp_path / "data")
+    (tmp_path / "trace.csv").unlink()
+    after = load_requests_frame(load_validation_scenario(path, tmp_path / "data"))
+    assert len(after) == 10
+    assert after["arrival_s"].iloc[-1] == pytest.approx(9 * 0.04 * 0.5)
+    assert requests_fingerprint(after) == requests_fingerprint(before)
+
+
+def test_measuring_writes_both_runs_and_the_metadata(measured):
+    _, out = measured
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["requests"] == 10 and meta["model"] == "tiny"
+    for run in ("saturated", "realtime"):
+        for name in ("summary.json", "requests.csv", "steps.csv", "ledger.json"):
+            assert (out / run / name).is_file()
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert summary["requests_completed"] == 10
+    steps = (out / "realtime" / "steps.csv").read_text().splitlines()[0].split(",")
+    assert {"span_s", "prep_s", "gpu_s", "host_s"} <= set(steps)
+
+
+def test_comparing_writes_a_well_formed_json_with_finite_errors(measured, tmp_path):
+    path, out = measured
+    result = compare_validation(out, load_validation_scenario(path), tmp_path / "v.json")
+    written = json.loads((tmp_path / "v.json").read_text())
+    assert written["model"] == "tiny" and written["gpu"] == "h200"
+    assert set(written["error"]) == set(ERROR_KEYS)
+    assert all(math.isfinite(v) for v in written["error"].values())
+    assert written["load"] > 0 and math.isfinite(written["load"])
+    assert written["measured"]["requests_completed"] == written["simulated"]["requests_completed"]
+    assert written["steps"]["realtime"]["matched_steps"] >= 1
+    for name in result["plots"]:
+        assert 0 < (tmp_path / name).stat().st_size <= 100_000
+
+
+def test_comparing_refuses_requests_other_than_those_measured(measured):
+    path, out = measured
+    from simkv.core.config import load_scenario
+    faster = load_scenario(path, overrides={"workload.time_scale": 0.25})
+    with pytest.raises(InputError, match="differ from those measured"):
+        compare_validation(out, faster, plots=False)
+
+
+def test_without_simpy_the_command_measures_only(tmp_path, monkeypatch, capsys):
+    path = write_scenario(tmp_path, SCENARIO.replace("limit: 10", "limit: 3"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "simpy" else real(name, *a))
+    assert validate_command(path, "cpu", tmp_path / "out") == 0
+    assert "simpy is not installed here" in capsys.readouterr().out
+    assert (tmp_path / "out" / "tiny-validation" / "meta.json").is_file()
+    assert not (tmp_path / "out" / "tiny-validation.json").exists()
+
+
+def test_relative_error_is_zero_for_two_zeros_and_undefined_over_zero():
+    assert relative_error(110, 100) == pytest.approx(0.10)
+    assert relative_error(0, 0) == 0.0
+    assert relative_error(3, 0) is None
+    assert relative_error(None, 1.0) is None
+
+
+def test_bounds_tighten_at_low_load():
+    error = {"ttft_s.mean": 0.10}
+    assert not check_bounds(error, 0.6)["ttft_s.mean"]["ok"]      # 5% at load <= 0.7
+    assert check_bounds(error, 0.9)["ttft_s.mean"]["ok"]          # 15% above
+
+
+def test_the_command_measures_then_compares_into_one_folder(tmp_path, capsys):
+    path = write_scenario(tmp_path, SCENARIO.replace("limit: 10", "limit: 3"))
+    assert validate_command(path, "cpu", tmp_path / "out") == 0
+    assert (tmp_path / "out" / "tiny-validation" / "realtime" / "summary.json").is_file()
+    written = json.loads((tmp_path / "out" / "tiny-validation.json").read_text())
+    assert written["requests"] == 3
+    assert "| tiny-validation |" in capsys.readouterr().out
