@@ -111,11 +111,21 @@ class Scheduler:
         running = self.running
 
         i = 0
+        allocate = kv.allocate_slots
         while i < len(running) and budget > 0:
             req = running[i]
+            seqs = req.seqs
+            if len(seqs) == 1:        # the common case, a one-sequence decode, without ceremony
+                seq = seqs[0]
+                computed = seq.num_computed_tokens
+                if seq.num_tokens - computed == 1 and computed >= req.prompt_tokens \
+                        and allocate(seq, 1):
+                    scheduled.append(ScheduledSeq(seq, computed, 1, True))
+                    budget -= 1
+                    i += 1
+                    continue
             mark = len(scheduled)     # this request's items start here
             preempted_self = False
-            seqs = req.seqs
             for seq in seqs:
                 computed = seq.num_computed_tokens
                 num_new = seq.num_tokens - computed
