@@ -37,7 +37,7 @@ import pandas as pd
 from simkv.core.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.core.request import Request
 from simkv.core.results import atomic_write_text, write_results
-from simkv.sim.setup import build_scheduler, load_requests_frame
+from simkv.sim.setup import build_scheduler, load_requests_frame, requests_from_frame
 
 
 @dataclass
@@ -75,20 +75,6 @@ class OfflineRun:
     @property
     def preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-
-def requests_from_frame(df: pd.DataFrame) -> list:
-    """Canonical trace frame -> Request objects (arrival order); as the simulator builds them."""
-    out = []
-    cols = [df[c].tolist() for c in ("request_id", "arrival_s", "prompt_tokens", "output_tokens",
-                                     "n", "prefix_ids", "prefix_block_tokens", "tenant",
-                                     "adapter", "cancel_after_s")]
-    for rid, arr, p, o, n, pid, pbt, tenant, adapter, cancel in zip(*cols):
-        out.append(Request(int(rid), float(arr), int(p), int(o), n=int(n),
-                           prefix_ids=pid if isinstance(pid, tuple) else None,
-                           prefix_block_tokens=int(pbt), tenant=tenant or "",
-                           adapter=adapter or "", cancel_after_s=float(cancel)))
-    return out
 
 
 def _fresh(req: Request) -> Request:

@@ -8,6 +8,7 @@ import pandas as pd
 
 from simkv.core.kv.contiguous import ContiguousKVCacheManager
 from simkv.core.kv.manager import PagedKVCacheManager
+from simkv.core.request import Request
 from simkv.core.scheduler import Scheduler
 from simkv.core.sizing import size_pool
 
@@ -27,6 +28,20 @@ def load_requests_frame(scenario) -> pd.DataFrame:
     if wl.time_scale != 1.0:
         df["arrival_s"] = df["arrival_s"] * wl.time_scale
     return df
+
+
+def requests_from_frame(df: pd.DataFrame) -> list:
+    """Canonical trace frame -> Request objects (arrival order), for the simulator and the engine."""
+    out = []
+    cols = [df[c].tolist() for c in ("request_id", "arrival_s", "prompt_tokens", "output_tokens",
+                                     "n", "prefix_ids", "prefix_block_tokens", "tenant",
+                                     "adapter", "cancel_after_s")]
+    for rid, arr, p, o, n, pid, pbt, tenant, adapter, cancel in zip(*cols):
+        out.append(Request(int(rid), float(arr), int(p), int(o), n=int(n),
+                           prefix_ids=pid if isinstance(pid, tuple) else None,
+                           prefix_block_tokens=int(pbt), tenant=tenant or "",
+                           adapter=adapter or "", cancel_after_s=float(cancel)))
+    return out
 
 
 def build_kv_manager(scenario, sizing=None):
