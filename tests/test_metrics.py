@@ -118,3 +118,4 @@ def test_recompute_preemption_counts_recomputed_tokens():
     assert second.preemptions >= 1
     assert second.recomputed_tokens >= 4
     assert res.summary["leaked_blocks"] == 0
+

@@ -129,6 +129,7 @@ class Engine:
         cancels: list = []
         i, n = 0, len(requests)
         clock0 = time.perf_counter()
+        empty_in_a_row = 0
         while True:
             now = time.perf_counter() - clock0
             while i < n and requests[i].arrival_s <= now:
@@ -144,11 +145,15 @@ class Engine:
                 if i == n and not sched.requests:
                     break
                 if sched.waiting or sched.running or sched.swapped:
+                    empty_in_a_row += 1
+                    if (plan.preempted or plan.cancelled) and empty_in_a_row < 3:
+                        continue      # a step that only preempted or cancelled: plan again
                     raise RuntimeError(f"step {plan.step}: requests wait but nothing can run")
                 wake = min(requests[i].arrival_s if i < n else math.inf,
                            cancels[0][0] if cancels else math.inf)
                 time.sleep(max(0.0, min(wake - (time.perf_counter() - clock0), 0.05)))
                 continue
+            empty_in_a_row = 0
             observe(plan, sched)
             outputs = ex.execute(plan, kv)
             token_s = time.perf_counter() - clock0

@@ -85,6 +85,7 @@ class Simulation:
         check = self.check_integrity
         kv = scheduler.kv
         steps = 0
+        empty_in_a_row = 0
         while True:
             plan = scheduler.schedule(env.now)
             if plan.is_empty:
@@ -96,7 +97,11 @@ class Simulation:
                     yield self._wake
                     self._wake = None
                     continue
+                empty_in_a_row += 1
+                if (plan.preempted or plan.cancelled) and empty_in_a_row < 3:
+                    continue          # a step that only preempted or cancelled: plan again
                 raise RuntimeError(f"step {plan.step}: requests wait but nothing can run")
+            empty_in_a_row = 0
             observe(plan, scheduler)
             start = env.now
             duration = predict(plan)
