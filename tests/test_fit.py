@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from simkv.costmodel import calibrate as C
 from simkv.costmodel import fit as F
 from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
 from simkv.core.specs import load_gpu, load_model, profiles_dir
@@ -171,23 +172,23 @@ def test_roofline_calibration_recovers_known_efficiencies(tmp_path):
     steps = pd.read_csv(prof / "steps.csv")
     model, gpu = load_model("llama-3.1-8b"), load_gpu("h200")
     m = RooflineCostModel(model, gpu, "bf16", 16, truth)
-    steps["time_s"] = [m.predict(p) for p in F._plans_from_steps(steps)]
+    steps["time_s"] = [m.predict(p) for p in C._plans_from_steps(steps)]
     steps.to_csv(prof / "steps.csv", index=False)
-    cal = F.calibrate_roofline(prof)
+    cal = C.calibrate_roofline(prof)
     p = cal["params"]
     assert p["bandwidth_efficiency"] == pytest.approx(0.8, abs=0.011)
     assert p["flops_efficiency"] == pytest.approx(0.55, abs=0.011)
     assert p["step_overhead_s"] == pytest.approx(4e-4, rel=0.05)
     assert cal["error"]["median"] < 0.01
-    assert F.roofline_error(p, prof)["median"] == cal["error"]["median"]
+    assert C.roofline_error(p, prof)["median"] == cal["error"]["median"]
 
 
 def test_extended_roofline_calibration_fits_per_layer_eager_overhead(tmp_path):
     prof = synthetic_profile(tmp_path)
-    cal = F.calibrate_roofline(prof, extended=True)
+    cal = C.calibrate_roofline(prof, extended=True)
     assert cal["form"] == "roofline+eager"
     assert {"graph_step_overhead_s", "eager_overhead_s_per_layer"} <= set(cal["params"])
-    assert F.roofline_error(cal["params"], prof) == cal["error"]
+    assert C.roofline_error(cal["params"], prof) == cal["error"]
 
 
 def test_longest_decode_program_follows_the_kernels_split_rule():
@@ -228,7 +229,7 @@ def test_committed_profiles_refit_to_their_committed_fit(committed, tmp_path):
 def test_committed_roofline_calibration_is_reproduced(tmp_path):
     path = profiles_dir() / "h200" / "roofline_calibration.json"
     committed = json.loads(path.read_text())
-    again = F.write_roofline_calibration(profiles_dir() / "h200" / "llama-3.1-8b",
+    again = C.write_roofline_calibration(profiles_dir() / "h200" / "llama-3.1-8b",
                                          [profiles_dir() / "h200" / "llama-3.2-1b"],
                                          out=tmp_path / "r.json")
     assert same_to_rounding(again, committed)
