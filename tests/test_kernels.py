@@ -229,3 +229,40 @@ def test_reference_runs_in_float64():
 def test_single_sequence_decode_and_prefill():
     check_decode(60, [45], 16, num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32, num_splits=3)
     check_prefill(61, [7], [20], 16, num_kv_heads=1, group=4, head_dim=64, dtype=torch.float32)
+
+
+# -- fixed-shape (CUDA-graph) steps: padding rows ----------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_leaves_padding_rows_untouched(num_splits):
+    # seq_len 0 marks a padding row: nothing is read for it and its output row keeps its value
+    gen = torch.Generator().manual_seed(21)
+    k_cache, v_cache, block_tables, _ = make_paged(gen, [40, 40, 40, 40], 16, 2, 64, torch.float32)
+    seq_lens = torch.tensor([40, 0, 17, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(4, 8, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, num_splits=num_splits)
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                           out=torch.full_like(q, 7.0))
+    assert (out[[1, 3]] == 7.0).all()
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_prefill_with_rows_before_and_after_its_sequences():
+    # a fixed-shape step: decode rows [0, 3) first, two chunks at rows [3, 12), padding [12, 20),
+    # and two padding sequences with no new tokens; only rows [3, 12) are written
+    gen = torch.Generator().manual_seed(22)
+    k_cache, v_cache, block_tables, _ = make_paged(gen, [20, 30, 1, 1], 8, 2, 64, torch.float32)
+    seq_lens = torch.tensor([20, 30, 0, 0], dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.tensor([3, 7, 12, 12, 12], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(20, 8, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    config = SMALL_PREFILL if INTERPRET else None
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out=out,
+                            config=config)
+    ref = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                            seq_lens, out=torch.full_like(q, 7.0))
+    assert (out[:3] == 7.0).all() and (out[12:] == 7.0).all()
+    assert not (ref[3:12] == 7.0).all()
+    assert rel_err(out, ref) < TOL[torch.float32]

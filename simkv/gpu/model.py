@@ -74,11 +74,11 @@ class ReferenceAttention:
         self.ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out):
-        out.copy_(self.ref.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                   query_start_loc, seq_lens))
+        self.ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                         seq_lens, out=out)
 
     def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None):
-        out.copy_(self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens))
+        self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out)
 
     def copy_blocks(self, k_cache, v_cache, block_mapping):
         self.ref.copy_blocks(k_cache, v_cache, block_mapping)

@@ -37,13 +37,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
-    """Reference decode: out[s] = softmax(q[s] · K_s / √d) V_s over the first seq_lens[s] tokens."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None):
+    """Reference decode: out[s] = softmax(q[s] · K_s / √d) V_s over the first seq_lens[s] tokens;
+    a row with seq_lens[s] == 0 is padding and is left untouched (into `out` if given)."""
     dtype = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for s in range(q.shape[0]):
         context = int(seq_lens[s])
+        if context == 0:
+            continue
         k = gather_context(k_cache, block_tables[s], context).to(dtype)
         v = gather_context(v_cache, block_tables[s], context).to(dtype)
         position = torch.tensor([context - 1], device=q.device)
@@ -51,11 +54,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None):
-    """Reference prefill: causal attention of each sequence's new tokens over its whole context."""
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
+                            out=None):
+    """Reference prefill: causal attention of each sequence's new tokens over its whole context;
+    rows outside the sequences' query ranges are left untouched (into `out` if given)."""
     dtype = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for s in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         if end == start:

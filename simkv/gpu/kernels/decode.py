@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from simkv.gpu.launch_policy import decode_num_splits
+
 from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale, next_pow2, sm_count
 
 
@@ -43,40 +45,6 @@ def decode_config(block_size: int, head_dim: int, dtype: torch.dtype) -> DecodeC
     if head_dim > 128:
         return DecodeConfig(tile=32, num_warps=8, num_stages=3)
     return DecodeConfig(tile=64, num_warps=4, num_stages=2)
-
-
-# Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
-# (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
-# towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
-# tiles (these two are first guesses; `python -m simkv.gpu.bench tune` sweeps them).
-FULL_PROGRAMS_PER_SM = 2
-SPLIT_PROGRAMS_PER_SM = 2
-MIN_TILES_PER_SPLIT = 2
-
-
-def decode_num_splits(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context: int,
-    tile: int,
-    num_sms: int,
-    *,
-    split_programs_per_sm: int | None = None,
-    min_tiles_per_split: int | None = None,
-) -> int:
-    """Splits per sequence for a decode call; depends only on shapes, so CUDA graphs can hold it.
-
-    `max_context` is the longest context the block tables can address (max_blocks_per_seq ×
-    block_size); `tile` the kernel's tokens per iteration (`decode_config(...).tile`).
-    """
-    programs = num_seqs * num_kv_heads
-    if programs >= FULL_PROGRAMS_PER_SM * num_sms:
-        return 1
-    per_sm = SPLIT_PROGRAMS_PER_SM if split_programs_per_sm is None else split_programs_per_sm
-    min_tiles = MIN_TILES_PER_SPLIT if min_tiles_per_split is None else min_tiles_per_split
-    max_tiles = max(1, -(-max_context // tile))
-    want = -(-per_sm * num_sms // max(1, programs))
-    return int(max(1, min(want, max_tiles // min_tiles, 256)))
 
 
 def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
@@ -156,9 +124,10 @@ def _paged_decode_kernel(
         m_i = m_new
 
     if SINGLE_SPLIT:
-        out = acc / l_i[:, None]
+        # seq_len 0 marks a padding row (fixed-shape steps): nothing is written there.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (seq_len > 0))
     else:
         # Workspace: acc [rows, HEAD_DIM], then m [rows], then l [rows], rows = (seq, head, split).
         # An empty split (short sequence) stores m = -inf, l = 0, acc = 0: weight 0 in the merge.
@@ -171,13 +140,14 @@ def _paged_decode_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_splits"])
 def _merge_splits_kernel(
-    workspace_ptr, out_ptr,
+    workspace_ptr, out_ptr, seq_lens_ptr,
     stride_o_seq, stride_o_head,
     num_seqs, num_heads, num_splits,
     SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
+    is_real = tl.load(seq_lens_ptr + seq) > 0   # a padding row (seq_len 0) is not written
     rows = num_seqs.to(tl.int64) * num_heads * num_splits
     first = (seq.to(tl.int64) * num_heads + head) * num_splits
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -199,7 +169,8 @@ def _merge_splits_kernel(
         acc += tl.sum(part * w[:, None], 0)
         l_sum += l_c * w
     out = acc / tl.sum(l_sum, 0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=(offs_d < HEAD_DIM) & is_real)
 
 
 def paged_decode_attention(
@@ -272,7 +243,7 @@ def paged_decode_attention(
     if not single:
         splits_pad = next_pow2(num_splits)
         _merge_splits_kernel[(num_heads, num_seqs)](
-            workspace, out,
+            workspace, out, seq_lens,
             out.stride(0), out.stride(1),
             num_seqs, num_heads, num_splits,
             SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, 16), HEAD_DIM=head_dim,

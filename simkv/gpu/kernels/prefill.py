@@ -75,12 +75,14 @@ def _paged_prefill_kernel(
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = head // GROUP
 
-    # Last sequence whose first tile index is <= tile.
+    # Last sequence whose first tile index is <= tile. Query offsets are taken relative to the
+    # first sequence's, which need not be 0 (a fixed-shape step puts other rows before it).
+    q_base = tl.load(query_start_loc_ptr)
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        first_tile = (tl.load(query_start_loc_ptr + mid) - q_base) // BLOCK_M + mid
         go_right = first_tile <= tile
         lo = tl.where(go_right, mid + 1, lo)
         hi = tl.where(go_right, hi, mid)
@@ -89,7 +91,7 @@ def _paged_prefill_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    m_start = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
+    m_start = (tile - ((q_start - q_base) // BLOCK_M + seq)) * BLOCK_M
     has_work = m_start < q_len
     context_start = seq_len - q_len  # position of this chunk's first token
 
@@ -164,7 +166,9 @@ def paged_prefill_attention(
     """Causal attention of a chunk of new tokens per sequence over the paged cache.
 
     q [total_query_tokens, num_heads, head_dim], sequences back to back; query_start_loc int32
-    [num_seqs + 1] (0, cumulative query lengths); seq_lens int32 [num_seqs]: context length
+    [num_seqs + 1]: the row of each sequence's first new token, then the end of the last one
+    (usually 0 and the cumulative query lengths; rows outside [query_start_loc[0],
+    query_start_loc[-1]) are neither read nor written, and a sequence may have no new tokens); seq_lens int32 [num_seqs]: context length
     including this step's tokens, whose K/V are already in the cache. Query token i of sequence s
     is at position seq_lens[s] - q_len_s + i. `scale` defaults to 1/sqrt(head_dim).
 
@@ -185,7 +189,7 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     if total_tokens == 0 or num_seqs == 0:
         return out
-    num_tiles = total_tokens // cfg.block_m + num_seqs
+    num_tiles = total_tokens // cfg.block_m + num_seqs   # enough for any query_start_loc
     _paged_prefill_kernel[(num_heads, num_tiles)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         default_scale(head_dim, scale) * LOG2E,

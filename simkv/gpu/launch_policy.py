@@ -1,0 +1,40 @@
+"""Launch policies of the paged kernels that the cost model must reproduce (no torch, no triton).
+
+The simulator's profiled cost model predicts the decode kernel's busiest program from the same
+split rule the kernel launches with, so the rule lives here, importable without the GPU extra.
+"""
+from __future__ import annotations
+
+
+# Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
+# (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
+# towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
+# tiles (these two are first guesses; `python -m simkv.gpu.bench tune` sweeps them).
+FULL_PROGRAMS_PER_SM = 2
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 2
+
+
+def decode_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    tile: int,
+    num_sms: int,
+    *,
+    split_programs_per_sm: int | None = None,
+    min_tiles_per_split: int | None = None,
+) -> int:
+    """Splits per sequence for a decode call; depends only on shapes, so CUDA graphs can hold it.
+
+    `max_context` is the longest context the block tables can address (max_blocks_per_seq ×
+    block_size); `tile` the kernel's tokens per iteration (`decode_config(...).tile`).
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= FULL_PROGRAMS_PER_SM * num_sms:
+        return 1
+    per_sm = SPLIT_PROGRAMS_PER_SM if split_programs_per_sm is None else split_programs_per_sm
+    min_tiles = MIN_TILES_PER_SPLIT if min_tiles_per_split is None else min_tiles_per_split
+    max_tiles = max(1, -(-max_context // tile))
+    want = -(-per_sm * num_sms // max(1, programs))
+    return int(max(1, min(want, max_tiles // min_tiles, 256)))
