@@ -164,20 +164,47 @@ class _Replayed:
             out.copy_(new)
 
 
-def test_decode_graph_static_inputs_reproduce_the_eager_tokens(runs):
+def graphed_cpu_executor(scn, **kwargs):
+    """A CPU executor whose decode and mixed steps run as stand-in graphs over static inputs."""
     from simkv.gpu.executor import GpuExecutor
-    scn = scenario(**CONFIGS["tight_swap"])
-    executor = GpuExecutor(scn.model, 24, 4, num_host_blocks=64, device="cpu",
-                           dtype=torch.float64, attention="reference", max_num_seqs=8,
-                           max_model_len=48, poison=True)
-    executor._graph_buffers()
+    num_blocks = scn.cache.num_gpu_blocks_override
+    executor = GpuExecutor(scn.model, num_blocks, scn.cache.block_size, num_host_blocks=64,
+                           device="cpu", max_num_seqs=scn.scheduler.max_num_seqs,
+                           max_model_len=48,
+                           max_num_batched_tokens=scn.scheduler.max_num_batched_tokens,
+                           poison=True, static_inputs=True, **kwargs)
     for b in executor._graph_buckets():
         graph = _Replayed(executor._graph_step(b))
         executor.graphs[b] = (graph, *graph.outputs)
+    for t in executor._mixed_buckets():
+        graph = _Replayed(executor._mixed_step(t))
+        executor.mixed_graphs[t] = (graph, *graph.outputs)
     executor.use_graphs = True
+    return executor
+
+
+@pytest.mark.parametrize("config", ["ample", "prefix_caching", "tight_swap"])
+def test_graphed_static_inputs_reproduce_the_eager_tokens(config, runs):
+    # decode graphs and mixed-step graphs (decodes first, chunks, padding rows) give the tokens
+    # of the eager engine, with preemption, copy-on-write and prefix hits in the run
+    scn = scenario(**CONFIGS[config])
+    executor = graphed_cpu_executor(scn, dtype=torch.float64, attention="reference")
     run = run_offline(scn, workload(), executor=executor, poison=True)
-    assert executor.num_graph_steps > 0 and run.preemptions > 0
+    assert executor.num_graph_steps > 0 and executor.num_mixed_graph_steps > 0
+    assert executor.num_eager_steps == 0       # every step of <= 32 tokens fits a graph
+    assert run.step_tokens == runs[config].step_tokens
     assert run.tokens == runs["ample"].tokens
+
+
+def test_mixed_steps_too_large_for_a_graph_run_eagerly():
+    from simkv.gpu import executor as ex
+    scn = scenario(**{"scheduler.max_num_batched_tokens": 32})
+    executor = graphed_cpu_executor(scn, dtype=torch.float64, attention="reference")
+    assert executor._mixed_buckets() == [16, 32]
+    assert executor._mixed_bucket(1, 3, 17) == 32
+    assert executor._mixed_bucket(1, 3, 33) is None
+    assert executor._mixed_bucket(9, 0, 20) is None       # more chunks than the capacity (8)
+    assert ex.MIXED_TOKEN_SIZES[-1] == 1024
 
 
 def test_equal_prefix_ids_give_equal_tokens_and_the_rest_is_the_requests_own():
@@ -255,3 +282,8 @@ def test_triton_path_matches_the_reference_under_the_interpreter():
                       poison=True)
     assert tri.step_tokens == ref.step_tokens
     assert tri.tokens == ref.tokens
+    # the kernels in the fixed-shape layout of the graphed steps (padding rows skipped)
+    executor = graphed_cpu_executor(scn, dtype=torch.float32, attention="triton")
+    graphed = run_offline(scn, frame, executor=executor, poison=True)
+    assert executor.num_mixed_graph_steps > 0
+    assert graphed.tokens == ref.tokens

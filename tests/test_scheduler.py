@@ -383,3 +383,25 @@ def test_the_contiguous_allocator_runs_under_the_same_scheduler():
     assert all(r.status == RequestStatus.COMPLETED for r in sched.done)
     assert kv.num_used_blocks == 0 and kv.free_ranges == [(0, 16)] and kv.unforked == {}
     assert len(kv.host.free) == 8
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forks_never_push_the_running_sequences_past_max_num_seqs(mode):
+    # A request with n = 3 holds 3 seats from admission on (it forks once its chunked prompt is
+    # done): single-sample requests admitted meanwhile must not push the batch past the limit.
+    # A tight pool adds preemptions (re-admission and swap-in count the same seats).
+    sched = make_scheduler(12, host_blocks=200, max_num_seqs=4, max_num_batched_tokens=24,
+                           preemption_mode=mode)
+    for rid in range(12):
+        sched.add_request(make_request(rid, 40 if rid % 4 == 0 else 3, 30, n=3 if rid % 4 == 0 else 1))
+    most = 0
+    for _ in range(5000):
+        if not sched.has_unfinished():
+            break
+        plan = step(sched)
+        live = sum(len(req.seqs) for req in sched.running)
+        assert live <= 4 and len(plan.scheduled) <= 4
+        most = max(most, live)
+    assert not sched.has_unfinished() and most == 4
+    assert sched.num_preemptions > 0
+    assert_nothing_held(sched)

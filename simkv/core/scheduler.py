@@ -175,7 +175,7 @@ class Scheduler:
         waiting = self.waiting
         while waiting and budget > 0:
             req = waiting[0]
-            if self.num_running_seqs + max(req.n, len(req.seqs)) > self.max_num_seqs:
+            if self.num_running_seqs + _seats(req) > self.max_num_seqs:
                 break
             items = []
             admitted = []
@@ -221,14 +221,14 @@ class Scheduler:
                 req.admitted_s = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.num_running_seqs += len(req.seqs)
+            self.num_running_seqs += _seats(req)
             plan.scheduled.extend(items)
 
     def _resume_swapped(self, plan: StepPlan, budget: int) -> int:
         swapped = self.swapped
         while swapped:
             req = swapped[0]
-            if self.num_running_seqs + len(req.seqs) > self.max_num_seqs:
+            if self.num_running_seqs + _seats(req) > self.max_num_seqs:
                 break
             mapping = self.kv.swap_in(req.seqs)
             if mapping is None:
@@ -237,7 +237,7 @@ class Scheduler:
             plan.swap_in.extend(mapping)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.num_running_seqs += len(req.seqs)
+            self.num_running_seqs += _seats(req)
         return budget
 
     def _preempt(self, plan: StepPlan) -> tuple:
@@ -250,7 +250,7 @@ class Scheduler:
         else:
             victim, index = running[-1], len(running) - 1
         del running[index]
-        self.num_running_seqs -= len(victim.seqs)
+        self.num_running_seqs -= _seats(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.append(victim.request_id)
@@ -295,7 +295,7 @@ class Scheduler:
                 continue              # already finished, rejected or unknown
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-                self.num_running_seqs -= len(req.seqs)
+                self.num_running_seqs -= _seats(req)
             elif req.status == RequestStatus.SWAPPED:
                 self.swapped.remove(req)
             else:
@@ -380,7 +380,6 @@ class Scheduler:
                 child.token_ids = list(parent.token_ids)
             self.kv.fork(parent, child)
             plan.forked.append((parent.seq_id, child.seq_id))
-        self.num_running_seqs += req.n - 1
 
     def _refork(self, plan: StepPlan, req: Request, first: Sequence) -> None:
         """After a recompute, the first sample has the prompt again: the others share its prompt
@@ -404,3 +403,9 @@ class Scheduler:
             self.running.remove(req)
             del self.requests[req.request_id]
             self.done.append(req)
+
+
+def _seats(req: Request) -> int:
+    """Sequences a request counts against max_num_seqs: its live samples plus those it will fork
+    once its prompt is done (reserved at admission, so that forking never overflows the limit)."""
+    return len(req.seqs) + req.n - len(req.all_seqs)

@@ -8,7 +8,8 @@ layers (projections ~ 1/sqrt(fan_in); the two projections that write into the re
 are further scaled by 1/sqrt(2 * num_layers)).
 
 One forward covers a flattened batch: prefill chunks first (rows [0, P)), then single-token
-queries (rows [P, T)). Each layer writes the K/V of *all* this step's tokens into the cache before
+queries (rows [P, T)); or, in the fixed-shape layout of mixed-step CUDA graphs, single-token
+queries first and padding rows that the attention kernels skip (`AttentionMetadata.fixed_shape`). Each layer writes the K/V of *all* this step's tokens into the cache before
 any attention, so a sequence may read blocks that another sequence of the same step computes
 (two identical prompts admitted together share blocks through the prefix cache).
 
@@ -108,6 +109,10 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor] = None   # int32 [num_decode_seqs, blocks]
     decode_seq_lens: Optional[torch.Tensor] = None       # int32 [num_decode_seqs]
     decode_workspace: Optional[torch.Tensor] = None      # float32 scratch (CUDA graphs)
+    # Fixed-shape layout (mixed-step CUDA graphs): the decode kernel covers rows
+    # [0, len(decode_seq_lens)) and the prefill kernel all rows, each by its metadata; rows of
+    # seq_len 0 and rows outside query_start_loc's range are padding (computed, never sampled).
+    fixed_shape: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,10 +366,16 @@ class LlamaModel:
         self.attn.write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty((T, H, D), device=h.device, dtype=h.dtype)
         P = meta.num_prefill_tokens
-        if P:
+        if meta.fixed_shape:
+            rows = meta.decode_seq_lens.shape[0]
+            self.attn.decode(q[:rows], k_cache, v_cache, meta.decode_block_tables,
+                             meta.decode_seq_lens, out[:rows], meta.decode_workspace)
+            self.attn.prefill(q, k_cache, v_cache, meta.prefill_block_tables,
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out)
+        elif P:
             self.attn.prefill(q[:P], k_cache, v_cache, meta.prefill_block_tables,
                               meta.prefill_query_start_loc, meta.prefill_seq_lens, out[:P])
-        if T > P:
+        if T > P and not meta.fixed_shape:
             self.attn.decode(q[P:], k_cache, v_cache, meta.decode_block_tables,
                              meta.decode_seq_lens, out[P:], meta.decode_workspace)
         return F.linear(out.view(T, H * D), layer.o)
