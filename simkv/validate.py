@@ -268,6 +268,7 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
                      "steps": len(steps),
                      "long_steps": int((steps["duration_s"] > LONG_STEP_S).sum()),
                      "graph_steps": runs[run].extra["engine"]["graph_steps"],
+                     "mixed_graph_steps": runs[run].extra["engine"].get("mixed_graph_steps", 0),
                      "eager_steps": runs[run].extra["engine"]["eager_steps"]}
     _write_json(out / "meta.json", meta)
     return out

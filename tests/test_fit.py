@@ -193,13 +193,28 @@ def test_extended_roofline_calibration_fits_per_layer_eager_overhead(tmp_path):
 
 def test_longest_decode_program_follows_the_kernels_split_rule():
     layout = F.StepLayout((1, 8), (1, 2, 4, 8, 16, 32), sm_count=132, num_kv_heads=8,
-                          decode_tile=64, max_model_len=131072)
-    # graphed, 32 decodes: ceil(4 * 132 / (32 * 8)) = 3 splits; 16384 tokens = 256 tiles -> 86
-    assert layout.longest_program_tokens(32, 16384, True, 16) == 86 * 64
-    # eager, 4 decodes, longest 1000 tokens: 63 blocks of 16 = 1008 -> 16 tiles, at most 8
-    # splits (half the tiles); 1000 tokens = 16 tiles -> 2 per program
+                          decode_tile=64, max_model_len=131072,
+                          mixed_token_sizes=(16, 32, 64, 128), max_num_seqs=256)
+    # graphed, 32 decodes: 256 programs < 2 per SM -> ceil(2 * 132 / 256) = 2 splits;
+    # 16384 tokens = 256 tiles -> 128 per program
+    assert layout.longest_program_tokens(32, 16384, True, 16) == 128 * 64
+    # eager, 4 decodes, longest 1000 tokens: the table is padded to 64 blocks of 16 = 1024
+    # tokens = 16 tiles, at most 8 splits (half the tiles); 1000 tokens = 16 tiles -> 2 each
     assert layout.longest_program_tokens(4, 1000, False, 16) == 128
     assert layout.longest_program_tokens(0, 0, False, 16) == 0
+    # a graphed mixed step of 40 tokens runs the decode kernel over 64 rows: 512 programs,
+    # one split, so the longest program reads the whole longest context
+    assert layout.rows(40, True, mixed=True) == 64 and layout.rows(400, True, mixed=True) == 400
+    assert layout.longest_program_tokens(3, 16384, True, 16, mixed_tokens=40) == 16384
+    assert layout.is_graphed(37, 3) and not layout.is_graphed(126, 3)
+    assert layout.is_graphed(0, 32) and not layout.is_graphed(0, 33)
+
+
+def test_the_cost_model_and_the_kernel_share_one_split_rule():
+    from simkv.gpu import launch_policy
+    pytest.importorskip("triton")
+    from simkv.gpu.kernels import decode
+    assert decode.decode_num_splits is launch_policy.decode_num_splits
 
 
 def same_to_rounding(a, b, rel=1e-4) -> bool:

@@ -14,8 +14,8 @@ The device work of a forward step of N batched tokens on a given block size (sec
       + c_seq * num_seqs                              per-sequence input building, sampling
       + c_eager * [step runs eagerly]
 
-N_eff is N, or the CUDA-graph batch size a decode-only step is padded to. A graphed step takes
-G. An eager step launches every kernel from Python, so when its device work is small the host
+N_eff is N, or the CUDA-graph size a graphed step is padded to: the batch size of a decode-only
+step, the token count of a step with prefill chunks (StepLayout). A graphed step takes G. An eager step launches every kernel from Python, so when its device work is small the host
 is the bottleneck: it takes max(G, h0 + h_seq * num_seqs). The attention terms are fitted per
 block size; T_lin and the host terms either per block size or shared by all of them, whichever
 cross-validates better (CANDIDATES). Fitting is non-negative least squares on relative error,
@@ -226,8 +226,9 @@ def token_knots_for(max_tokens: int) -> list:
 @dataclass(frozen=True)
 class StepLayout:
     """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
-    captured CUDA-graph batch sizes, and the decode kernel's split rule (it splits each
-    sequence's context over programs so that about 4 programs run per SM; the longest program
+    captured CUDA-graph sizes (decode-only steps by batch, steps with prefill chunks by token
+    count), and the decode kernel's split rule (`simkv.gpu.launch_policy`: it splits each
+    sequence's context over programs so that small batches fill the GPU; the longest program
     bounds the kernel when one sequence is much longer than the rest)."""
 
     token_knots: tuple
@@ -236,9 +237,26 @@ class StepLayout:
     num_kv_heads: int = 1
     decode_tile: int = 64        # tokens per decode-kernel loop iteration
     max_model_len: int = 0       # graphed block tables are this wide
+    mixed_token_sizes: tuple = ()  # token counts of the captured mixed steps (none: eager)
+    max_num_seqs: int = 256      # a mixed graph of T tokens has min(T, max_num_seqs) decode rows
 
-    def rows(self, num_tokens: int, graph: bool) -> int:
-        """Rows the linear layers compute: a graphed batch is padded to its captured size."""
+    def mixed_size(self, num_tokens: int) -> int:
+        """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
+        for size in self.mixed_token_sizes:
+            if size >= num_tokens:
+                return size
+        return 0
+
+    def is_graphed(self, num_prefill_tokens: int, num_decode_seqs: int) -> bool:
+        """Whether the engine runs such a step as a CUDA graph."""
+        if num_prefill_tokens:
+            return bool(self.mixed_size(num_prefill_tokens + num_decode_seqs))
+        return bool(self.graph_batch_sizes) and num_decode_seqs <= self.graph_batch_sizes[-1]
+
+    def rows(self, num_tokens: int, graph: bool, mixed: bool = False) -> int:
+        """Rows the linear layers compute: a graphed step is padded to its captured size."""
+        if graph and mixed:
+            return self.mixed_size(num_tokens) or num_tokens
         if graph:
             for size in self.graph_batch_sizes:
                 if size >= num_tokens:
@@ -246,23 +264,27 @@ class StepLayout:
         return num_tokens
 
     def longest_program_tokens(self, num_decode_seqs: int, max_context: int, graph: bool,
-                               block_size: int) -> int:
-        """Context tokens the decode kernel's busiest program reads (0 without decodes)."""
+                               block_size: int, mixed_tokens: int = 0) -> int:
+        """Context tokens the decode kernel's busiest program reads (0 without decodes).
+        `mixed_tokens`: the step's tokens when it also has prefill chunks."""
+        from simkv.gpu.launch_policy import decode_num_splits
         if not num_decode_seqs:
             return 0
         tile = self.decode_tile
         if not self.sm_count:
             return max_context
-        if graph:
+        if graph and mixed_tokens:
+            batch = min(self.rows(mixed_tokens, True, True), self.max_num_seqs)
+            width = -(-self.max_model_len // block_size) * block_size
+        elif graph:
             batch = self.rows(num_decode_seqs, True)
             width = -(-self.max_model_len // block_size) * block_size
-        else:
+        else:       # eager tables are padded to a multiple of 16 blocks
             batch = num_decode_seqs
-            width = -(-max_context // block_size) * block_size
-        max_tiles = max(1, -(-width // tile))
-        want = -(-4 * self.sm_count // (batch * self.num_kv_heads))
-        splits = max(1, min(want, max_tiles // 2 if max_tiles >= 4 else max_tiles, 256))
-        return -(-(-(-max_context // tile)) // splits) * tile
+            width = -(-max_context // (16 * block_size)) * 16 * block_size
+        splits = decode_num_splits(batch, self.num_kv_heads, width, tile, self.sm_count)
+        tiles = -(-max_context // tile)
+        return -(-tiles // splits) * tile
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -286,21 +308,25 @@ def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
                                                      meta.get("graph_batch_sizes") or [])),
                       sm_count=int(meta.get("sm_count") or 0),
                       num_kv_heads=int(shape.get("num_kv_heads", 1)),
-                      decode_tile=int(tile), max_model_len=int(max_len or 0))
+                      decode_tile=int(tile), max_model_len=int(max_len or 0),
+                      mixed_token_sizes=tuple(sorted(int(t) for t in
+                                                     meta.get("mixed_token_sizes") or [])),
+                      max_num_seqs=int(meta.get("max_num_seqs") or 256))
 
 
 def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
     """The row of the device-work design matrix for one step (a mapping of STEP_COLUMNS)."""
     n = f["num_prefill_tokens"] + f["num_decode_tokens"]
     graph = bool(f["graph"])
-    row = hats(layout.rows(n, graph), layout.token_knots)
+    mixed = n if f["num_prefill_tokens"] else 0
+    row = hats(layout.rows(n, graph, bool(mixed)), layout.token_knots)
     b = f["num_decode_seqs"]
     ctx = f["decode_context_tokens"]
     if FORMS[form]:
         row += [ctx * w for w in hats(math.log2(max(b, 1)), LOG_BATCH_KNOTS, False)]
     else:
         row.append(ctx)
-    row += [layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size),
+    row += [layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size, mixed),
             f["prefill_attention_pairs"], f["prefill_context_tokens"],
             f["num_decode_seqs"] + f["num_prefill_seqs"], 0.0 if graph else 1.0]
     return row
@@ -335,9 +361,11 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
     if n == 0:
         return 0.0
     graph = bool(f["graph"])
+    mixed = n if f["num_prefill_tokens"] else 0
     b = f["num_decode_seqs"]
     seqs = b + f["num_prefill_seqs"]
-    seconds = sum(w * v for w, v in zip(hats(layout.rows(n, graph), layout.token_knots),
+    seconds = sum(w * v for w, v in zip(hats(layout.rows(n, graph, bool(mixed)),
+                                             layout.token_knots),
                                         coefs["t_linear_s"]))
     a_dec = coefs["a_decode_s_per_token"]
     if len(a_dec) == 1:
@@ -346,7 +374,7 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
         w = hats(math.log2(b), LOG_BATCH_KNOTS, False)
         seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * f["decode_context_tokens"]
     seconds += coefs.get("a_decode_longest_s_per_token", 0.0) * \
-        layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size)
+        layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size, mixed)
     seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
     seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
     seconds += coefs["c_seq_s"] * seqs
@@ -569,6 +597,33 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     }
 
 
+ENGINE_COLUMNS = ("num_seqs", "num_prefill_tokens", "outside_s")
+
+
+def fit_engine_host(df: pd.DataFrame) -> dict:
+    """The engine's time per step outside the executor (scheduling, finishing the step, metrics):
+    c0 + c_seq * num_seqs + c_prefill_token * num_prefill_tokens, least squares (non-negative)
+    over the profiler's engine pass."""
+    x = np.column_stack([np.ones(len(df)), df["num_seqs"].to_numpy(float),
+                         df["num_prefill_tokens"].to_numpy(float)])
+    t = df["outside_s"].to_numpy(float)
+    c = nnls(x, t)
+    err = np.abs(x @ c - t)
+    return {"c0_s": _round(float(c[0])), "c_seq_s": _round(float(c[1])),
+            "c_prefill_token_s": _round(float(c[2])), "rows": int(len(df)),
+            "mean_s": _round(float(t.mean())),
+            "median_abs_error_s": _round(float(np.median(err))),
+            "formula": "c0 + c_seq * num_seqs + c_prefill_token * num_prefill_tokens, added "
+                       "to every step"}
+
+
+def engine_host_seconds(coefs: dict | None, num_seqs: int, num_prefill_tokens: int) -> float:
+    if not coefs:
+        return 0.0
+    return coefs["c0_s"] + coefs["c_seq_s"] * num_seqs \
+        + coefs["c_prefill_token_s"] * num_prefill_tokens
+
+
 def fit_profile(profile_dir, out=None) -> dict:
     """Fit `profile_dir`'s raw CSVs; write `fit.json` into `out` (default: `profile_dir`).
 
@@ -601,6 +656,9 @@ def fit_profile(profile_dir, out=None) -> dict:
     for key in ("model_shape", "kv_bytes_per_token"):
         if key in meta:
             fit[key] = meta[key]
+    engine_path = profile_dir / "engine_host.csv"
+    if engine_path.is_file():
+        fit["engine_host"] = fit_engine_host(read_csv(engine_path, ENGINE_COLUMNS))
     for name in ("swap", "copy"):
         path = profile_dir / f"{name}.csv"
         if not path.is_file():

@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 
 from simkv.core.specs import KV_DTYPE_BYTES, profiles_dir
-from simkv.costmodel.fit import (FIT_FORMAT, LOG_BATCH_KNOTS, StepLayout, hats,
-                                 transfer_seconds)
+from simkv.costmodel.fit import (FIT_FORMAT, LOG_BATCH_KNOTS, StepLayout,
+                                 engine_host_seconds, hats, transfer_seconds)
 from simkv.errors import InputError
 
 STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
@@ -134,9 +134,12 @@ class ProfiledCostModel:
         if not isinstance(layout, dict):
             raise InputError(f"{path}: key 'layout' must be an object")
         fields = {}
-        for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len"):
+        for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs"):
             if key in layout:
                 fields[key] = int(_numbers(layout[key], f"layout.{key}", path)[0])
+        if layout.get("mixed_token_sizes"):
+            fields["mixed_token_sizes"] = tuple(sorted(int(t) for t in _numbers(
+                layout["mixed_token_sizes"], "layout.mixed_token_sizes", path)))
         self.layout = StepLayout(tuple(self.token_knots), tuple(self.graph_batch_sizes),
                                  **fields)
         step = _need(fit, "step", path)
@@ -169,6 +172,10 @@ class ProfiledCostModel:
         self.copy = None if copy is None else {
             k: _numbers(_need(copy, k, path, "copy."), f"copy.{k}", path)[0]
             for k in ("c0_s", "c_block_s", "c_byte_s")}
+        engine = fit.get("engine_host")
+        self.engine_host = None if engine is None else {
+            k: _numbers(_need(engine, k, path, "engine_host."), f"engine_host.{k}", path)[0]
+            for k in ("c0_s", "c_seq_s", "c_prefill_token_s")}
         shape = fit.get("model_shape")
         if model is not None and isinstance(shape, dict):
             diff = [k for k in SHAPE_KEYS if k in shape and getattr(model, k) != shape[k]]
@@ -225,8 +232,16 @@ class ProfiledCostModel:
             return 0.0
         num_seqs = len(plan.scheduled)
         decodes = num_seqs - plan.num_prefill_seqs
-        graph = plan.num_prefill_tokens == 0 and decodes <= self._max_graph
-        rows = self._graph_rows[tokens] if graph else tokens
+        layout = self.layout
+        if plan.num_prefill_tokens:
+            mixed = tokens
+            rows = layout.mixed_size(tokens)
+            graph = rows > 0
+            rows = rows or tokens
+        else:
+            mixed = 0
+            graph = decodes <= self._max_graph
+            rows = self._graph_rows[tokens] if graph else tokens
         seconds = self._linear(rows)
         a_dec = self._a_dec
         if len(a_dec) == 1:
@@ -238,8 +253,8 @@ class ProfiledCostModel:
             longest = getattr(plan, "decode_max_context", 0)
             if not longest:          # plans that do not carry the feature: scan the batch
                 longest = max(s.start for s in plan.scheduled if s.is_decode) + 1
-            seconds += self._a_long * self.layout.longest_program_tokens(
-                decodes, longest, graph, self.block_size)
+            seconds += self._a_long * layout.longest_program_tokens(
+                decodes, longest, graph, self.block_size, mixed)
         seconds += self._a_pf * plan.prefill_attention_pairs
         seconds += self._a_ctx * plan.prefill_context_tokens
         seconds += self._c_seq * num_seqs
@@ -249,8 +264,12 @@ class ProfiledCostModel:
         return max(seconds + self._c_eager, self._h0 + self._h_seq * num_seqs)
 
     def predict(self, plan) -> float:
-        """Seconds for one step: block copies, swaps, then the forward pass."""
+        """Seconds for one step: block copies, swaps, the forward pass, and the engine's own
+        time around it (scheduling and finishing the step; `engine_host` in the fit)."""
         seconds = self.forward_seconds(plan)
+        if self.engine_host is not None and plan.scheduled:
+            seconds += engine_host_seconds(self.engine_host, len(plan.scheduled),
+                                           plan.num_prefill_tokens)
         if plan.block_copies and self.copy is not None:
             seconds += transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)
         if plan.swap_out and "out" in self.swap:
@@ -275,5 +294,6 @@ class ProfiledCostModel:
             "form": fit.get("form"),
             "formula": fit.get("formula"),
             "coefficients": self.coefs,
+            "engine_host": self.engine_host,
             "holdout_error": fit.get("holdout_error", {}),
         }

@@ -112,7 +112,9 @@ class Engine:
         self.executor = executor
         self.recorder = MetricsRecorder(kv.num_blocks, block_size)
         self.check_integrity = check_integrity
-        self.gpu_s: list = []
+        self.gpu_s: list = []       # per step: device span of execute() without input building
+        self.exec_s: list = []      # per step: the span of execute() (what the profiler times)
+        self.num_seqs: list = []    # per step: sequences scheduled
 
     def run(self, requests: list, realtime: bool = True, progress=None) -> float:
         """Serve `requests` (fresh Request objects, arrival order) until all are final; returns
@@ -165,6 +167,8 @@ class Engine:
             end = time.perf_counter() - clock0
             record(plan, now, end - now)
             self.gpu_s.append(ex.last_gpu_s - ex.last_prep_s)
+            self.exec_s.append(ex.last_gpu_s)
+            self.num_seqs.append(len(plan.scheduled))
             if progress is not None:
                 progress(plan, end)
         return time.perf_counter() - clock0
@@ -175,6 +179,8 @@ class Engine:
         steps = self.recorder.steps_frame()
         steps["gpu_s"] = np.asarray(self.gpu_s, dtype=np.float64)
         steps["host_s"] = steps["duration_s"] - steps["gpu_s"]
+        steps["exec_s"] = np.asarray(self.exec_s, dtype=np.float64)
+        steps["num_seqs"] = np.asarray(self.num_seqs, dtype=np.int64)
         summary = summarize(self.recorder, sched, req_df, sim_duration_s=duration_s,
                             wall_time_s=wall_time_s, slo=scn.slo, cost_model="measured",
                             block_size=scn.cache.block_size)
@@ -288,6 +294,7 @@ def engine_info(executor) -> dict:
         "attention": executor.attention,
         "cuda_graphs": bool(executor.use_graphs),
         "graph_steps": int(executor.num_graph_steps),
+        "mixed_graph_steps": int(getattr(executor, "num_mixed_graph_steps", 0)),
         "eager_steps": int(executor.num_eager_steps),
         "poison": bool(executor.poison),
         "model": executor.spec.name,

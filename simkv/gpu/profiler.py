@@ -130,6 +130,14 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
     add("mixed/d48c4096/1x1024+p0", "mixed", _decode(48, 4096) + _chunks(1, 1024, 0))
     add("mixed/d240c256/1x16+p4096", "mixed", _decode(240, 256) + _chunks(1, 16, 4096))
     add("mixed/d24c300/1x7000+p0", "mixed", _decode(24, 300) + _chunks(1, 7000, 0))
+    # Mixed steps in the range of the captured mixed graphs (up to 1,024 tokens): a chunk's
+    # tail beside a decode batch, as continuous serving schedules them.
+    for b, ctx in ((1, 256), (8, 1024), (32, 512), (96, 1024), (200, 700)):
+        for t, p in ((16, 0), (100, 512), (300, 0), (700, 2048), (1000 - b, 0)):
+            if t > 1:
+                add(f"mixed/d{b}c{ctx}/1x{t}+p{p}", "mixed", _decode(b, ctx) + _chunks(1, t, p))
+    add("mixed/d16c800/3x200+p0", "mixed", _decode(16, 800) + _chunks(3, 200, 0))
+    add("mixed/d64c2048/2x150+p300", "mixed", _decode(64, 2048) + _chunks(2, 150, 300))
     return points
 
 
@@ -210,9 +218,9 @@ def profile_block_size(executor, points, rng, reps: int, log) -> list:
     for point in points:
         perm = rng.permutation(executor.num_blocks)
         plan = _plan(point.items, bs, perm, tokens)
-        graphs_before = executor.num_graph_steps
+        graphs_before = executor.num_graph_steps + executor.num_mixed_graph_steps
         timing = _time(executor, plan, reps)
-        graph = int(executor.num_graph_steps > graphs_before)
+        graph = int(executor.num_graph_steps + executor.num_mixed_graph_steps > graphs_before)
         row = {"id": point.id, "family": point.family, "block_size": bs,
                **features(point.items), "graph": graph}
         row.update({k: (_sig(v) if isinstance(v, float) else v) for k, v in timing.items()})
@@ -400,7 +408,9 @@ def _write_csv(path: Path, rows: list, fields: list) -> None:
 # The pass
 
 
-PARTS = ("steps", "transfers", "ledger", "host_noise")
+PARTS = ("steps", "transfers", "ledger", "host_noise", "engine")
+ENGINE_FIELDS = ["step", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "preempted",
+                 "duration_s", "exec_s", "outside_s"]
 NOISE_IDS = ("prefill/1x16+p0", "prefill/1x512+p0", "mixed/d32c1024/1x64+p0",
              "mixed/d128c1024/1x512+p2048", "decode/b64/c512")
 LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
@@ -438,8 +448,9 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
 
     out = Path(out_dir) if out_dir is not None else None
     smi_before = _nvidia_smi() if cuda else {}
-    data = {"steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": []}
-    graph_sizes, dtype, tile = [], None, None
+    data = {"steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": [],
+            "engine": []}
+    graph_sizes, mixed_sizes, dtype, tile = [], [], None, None
     done, longest = [], 0.0
     for bs in block_sizes:
         if time_budget_s and done and time.perf_counter() - started + longest > time_budget_s:
@@ -453,6 +464,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
                                max_num_batched_tokens=8192, profile_memory=False)
         dtype = executor.dtype
         graph_sizes = executor._graph_buckets() if executor.use_graphs else []
+        mixed_sizes = executor._mixed_buckets() if executor.use_graphs else []
         if executor.attention == "triton":
             from simkv.gpu import kernels
             tile = kernels.decode_config(bs, model.head_dim, dtype).tile
@@ -484,16 +496,83 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         longest = max(longest, time.perf_counter() - bs_start)
         meta = _meta(model, dev, dtype, done, quick, graph_sizes, command, smi_before)
         meta.update(parts=list(parts), decode_tile=tile, max_num_seqs=MAX_NUM_SEQS,
+                    mixed_token_sizes=list(mixed_sizes),
                     max_model_len=model.max_position_embeddings,
                     profile_seconds=round(time.perf_counter() - started, 1))
         out = out or profiles_dir() / meta["gpu"] / model.name
         _write(out, meta, data)   # after every block size
         log(f"  {meta['profile_seconds']:.0f} s elapsed")
+    if "engine" in parts and cuda:
+        data["engine"] = measure_engine_host(model, dev, seed, log, gpu=meta["gpu"])
+        meta["engine_pass"] = ENGINE_PASS_NOTE
+        _write(out, meta, data)
     if cuda:
         meta["nvidia_smi_after"] = _nvidia_smi()
         _write(out, meta, data)
     log(f"wrote {out} ({len(data['steps'])} step rows, {meta['profile_seconds']} s)")
     return out
+
+
+ENGINE_PASS_NOTE = ("engine_host.csv: the real engine (scheduler, KV manager, executor) serving "
+                    "a synthetic workload offline at block size 16; per step the time outside "
+                    "the executor's span (scheduling, finishing, metrics) = duration_s - exec_s")
+
+
+def engine_workload(num_requests: int, seed: int):
+    """A synthetic serving mix for the engine pass: lognormal prompts (median 400 tokens) and
+    outputs (median 80), a quarter sharing one of four 256-token prefixes, a tenth with n = 2."""
+    from simkv.core.traces import build_trace
+    rng = np.random.default_rng(seed + 17)
+    prompts = np.clip(rng.lognormal(np.log(400), 0.9, num_requests), 16, 4000).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(80), 0.8, num_requests), 4, 400).astype(int)
+    groups = rng.integers(0, 4, num_requests)
+    shared = rng.random(num_requests) < 0.25
+    ids, next_id = [], 1000
+    for i in range(num_requests):
+        blocks = -(-int(prompts[i]) // 16)
+        head = tuple(range(10 * groups[i], 10 * groups[i] + 16))[:blocks] if shared[i] else ()
+        ids.append(head + tuple(range(next_id, next_id + blocks - len(head))))
+        next_id += blocks
+    return build_trace({"arrival_s": np.zeros(num_requests), "prompt_tokens": prompts,
+                        "output_tokens": outputs, "n": np.where(rng.random(num_requests) < 0.1,
+                                                                2, 1),
+                        "prefix_ids": ids, "prefix_block_tokens": [16] * num_requests},
+                       source="profiler", format="csv")
+
+
+def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
+                        gpu: str = "h200") -> list:
+    """Rows for engine_host.csv: the engine's time per step outside the executor's span."""
+    from simkv.core.config import load_scenario
+    from simkv.gpu.engine import Engine
+    from simkv.sim.setup import requests_from_frame
+    import torch
+    free, _ = torch.cuda.mem_get_info(dev)
+    blocks = int(min(40_000, 0.5 * free // (16 * model.kv_bytes_per_token("bf16"))))
+    scn = load_scenario({
+        "name": "profile-engine-pass", "model": model.name, "gpu": gpu, "seed": seed,
+        "cache": {"block_size": 16, "num_gpu_blocks_override": blocks,
+                  "enable_prefix_caching": True},
+        "scheduler": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 8192},
+        "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
+    engine = Engine(scn, str(dev))
+    t0 = time.perf_counter()
+    engine.run(requests_from_frame(engine_workload(num_requests, seed)), realtime=False)
+    steps = engine.recorder.steps_frame()
+    steps["exec_s"] = engine.exec_s
+    steps["num_seqs"] = engine.num_seqs
+    rows = []
+    for r in steps.itertuples(index=False):
+        rows.append({"step": int(r.step), "num_seqs": int(r.num_seqs),
+                     "num_prefill_tokens": int(r.num_prefill_tokens),
+                     "num_decode_tokens": int(r.num_decode_tokens),
+                     "preempted": int(r.preempted), "duration_s": _sig(r.duration_s),
+                     "exec_s": _sig(r.exec_s), "outside_s": _sig(r.duration_s - r.exec_s)})
+    log(f"  engine pass: {len(rows)} steps in {time.perf_counter() - t0:.0f} s")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 2) -> list:
@@ -547,6 +626,8 @@ def _write(out: Path, meta: dict, data: dict) -> None:
         ledger = dict(data["ledger"], measured={k: meta.get(k) for k in (
             "date", "command", "device_name", "torch", "triton", "cuda")})
         (out / "ledger.json").write_text(json.dumps(ledger, indent=1) + "\n")
+    if data.get("engine"):
+        _write_csv(out / "engine_host.csv", data["engine"], ENGINE_FIELDS)
     if data["noise"]:
         _write_csv(out / "host_noise.csv", data["noise"],
                    ["condition", "id", "round", "rep", "time_s", "wall_s"])

@@ -37,10 +37,10 @@ pytestmark = pytest.mark.gpu
 MODELS = ["tiny", "llama-3.2-1b"]
 
 
-def _run(model, config, dtype):
+def _run(model, config, dtype, enforce_eager=False):
     scn = scenario(**{"model": model, **CONFIGS[config]})
     return run_offline(scn, workload(), device="cuda", dtype=dtype, attention="triton",
-                       poison=True)
+                       poison=True, enforce_eager=enforce_eager)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,15 @@ def test_greedy_tokens_identical_in_float32(model, config, fp32_runs):
 
 def test_decode_steps_ran_as_cuda_graphs(fp32_runs):
     info = fp32_runs[("tiny", "ample")].result.ledger["engine"]
-    assert info["cuda_graphs"] and info["graph_steps"] > 0
+    assert info["cuda_graphs"] and info["graph_steps"] > 0 and info["mixed_graph_steps"] > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_graphed_steps_give_the_eager_tokens_in_float32(model, fp32_runs):
+    # decode graphs and mixed-step graphs (fixed-shape layout, padding rows) against eager
+    eager = _run(model, "tight_swap", torch.float32, enforce_eager=True)
+    assert eager.result.ledger["engine"]["graph_steps"] == 0
+    assert eager.tokens == fp32_runs[(model, "ample")].tokens
 
 
 @pytest.mark.parametrize("model", MODELS)
