@@ -12,6 +12,10 @@ The device work of a forward step of N batched tokens on a given block size (sec
       + a_pf  * prefill_attention_pairs               prefill attention work (causal q-k pairs)
       + a_ctx * prefill_context_tokens                prefill attention's KV read
       + c_seq * num_seqs                              per-sequence input building, sampling
+      + (c_mixed + c_mixed_row * N_eff + c_mixed_seq * num_decode_seqs) * [graphed mixed step]
+                                                      what a mixed graph adds to a decode one
+                                                      of as many rows: the prefill kernel's
+                                                      padded grid, per-item input building
       + c_eager * [step runs eagerly]
 
 N_eff is N, or the CUDA-graph size a graphed step is padded to: the batch size of a decode-only
@@ -328,7 +332,11 @@ def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
         row.append(ctx)
     row += [layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size, mixed),
             f["prefill_attention_pairs"], f["prefill_context_tokens"],
-            f["num_decode_seqs"] + f["num_prefill_seqs"], 0.0 if graph else 1.0]
+            f["num_decode_seqs"] + f["num_prefill_seqs"],
+            float(b) if graph and mixed else 0.0,
+            1.0 if graph and mixed else 0.0,
+            float(layout.rows(n, graph, True)) if graph and mixed else 0.0,
+            0.0 if graph else 1.0]
     return row
 
 
@@ -337,7 +345,9 @@ def coef_names(form: str, token_knots) -> list:
     names += [f"a_decode_s_per_token@b{k}" for k in BATCH_KNOTS] if FORMS[form] \
         else ["a_decode_s_per_token"]
     return names + ["a_decode_longest_s_per_token", "a_prefill_s_per_pair",
-                    "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s", "host_floor_s",
+                    "a_prefill_ctx_s_per_token", "c_seq_s", "c_mixed_seq_s", "c_mixed_s",
+                    "c_mixed_row_s", "c_eager_s",
+                    "host_floor_s",
                     "host_floor_s_per_seq"]
 
 
@@ -351,7 +361,8 @@ def pack_step_coefs(c, h, form: str, token_knots) -> dict:
     return {"t_linear_s": c[:k], "a_decode_s_per_token": c[k:j],
             "a_decode_longest_s_per_token": c[j],
             "a_prefill_s_per_pair": c[j + 1], "a_prefill_ctx_s_per_token": c[j + 2],
-            "c_seq_s": c[j + 3], "c_eager_s": c[j + 4],
+            "c_seq_s": c[j + 3], "c_mixed_seq_s": c[j + 4], "c_mixed_s": c[j + 5],
+            "c_mixed_row_s": c[j + 6], "c_eager_s": c[j + 7],
             "host_floor_s": _round(float(h[0])), "host_floor_s_per_seq": _round(float(h[1]))}
 
 
@@ -378,6 +389,9 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
     seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
     seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
     seconds += coefs["c_seq_s"] * seqs
+    if graph and mixed:
+        seconds += coefs.get("c_mixed_seq_s", 0.0) * b + coefs.get("c_mixed_s", 0.0) \
+            + coefs.get("c_mixed_row_s", 0.0) * layout.rows(n, True, True)
     if graph:
         return seconds
     seconds += coefs["c_eager_s"]
@@ -449,6 +463,10 @@ def _cv_errors(x, hx, t, eager, fold) -> np.ndarray:
     return err
 
 
+SHARED_TAIL = 5     # c_seq, c_mixed_seq, c_mixed, c_mixed_row, c_eager: the same for every
+                    # block size (host work, padding)
+
+
 def _joint_design(steps: pd.DataFrame, form: str, sharing: str, layout: StepLayout,
                   block_sizes: list) -> tuple:
     """Design matrices of all block sizes at once. With `sharing == "shared"` the linear-layer
@@ -459,14 +477,14 @@ def _joint_design(steps: pd.DataFrame, form: str, sharing: str, layout: StepLayo
     k, nbs = len(layout.token_knots), len(block_sizes)
     parts = [_design(steps[steps["block_size"] == bs], form, layout, bs) for bs in block_sizes]
     p = parts[0][0].shape[1]
-    m = p - k - 2                               # attention columns
+    m = p - k - SHARED_TAIL                     # attention columns
     xs, hxs = [], []
     for i, (x, hx, _) in enumerate(parts):
         if sharing == "shared":
-            big = np.zeros((len(x), k + nbs * m + 2))
+            big = np.zeros((len(x), k + nbs * m + SHARED_TAIL))
             big[:, :k] = x[:, :k]
             big[:, k + i * m:k + (i + 1) * m] = x[:, k:k + m]
-            big[:, -2:] = x[:, -2:]
+            big[:, -SHARED_TAIL:] = x[:, -SHARED_TAIL:]
             hbig = hx
         else:
             big = np.zeros((len(x), nbs * p))
@@ -481,7 +499,7 @@ def _joint_design(steps: pd.DataFrame, form: str, sharing: str, layout: StepLayo
 
     def unpack(c, h, i):
         if sharing == "shared":
-            return np.concatenate([c[:k], c[k + i * m:k + (i + 1) * m], c[-2:]]), h
+            return np.concatenate([c[:k], c[k + i * m:k + (i + 1) * m], c[-SHARED_TAIL:]]), h
         return c[i * p:(i + 1) * p], h[2 * i:2 * i + 2]
 
     return (np.vstack(xs), np.vstack(hxs), np.concatenate([e for _, _, e in parts]), rows,
@@ -646,7 +664,9 @@ def fit_profile(profile_dir, out=None) -> dict:
            "formula": ("G = T_lin(N_eff) + a_dec(B) * decode_context_tokens + a_long * "
                        "longest_program_tokens + a_pf * "
                        "prefill_attention_pairs + a_ctx * prefill_context_tokens + c_seq * "
-                       "num_seqs + c_eager * [eager]; graphed decode step: t = G; eager step: "
+                       "num_seqs + (c_mixed + c_mixed_row * N_eff + c_mixed_seq * num_decode_seqs) * "
+                       "[graphed mixed] + c_eager * [eager]; "
+                       "graphed step: t = G; eager step: "
                        "t = max(G, host_floor + host_floor_per_seq * num_seqs); plus copies "
                        "and swaps: c0 + c_block * blocks + c_byte * bytes"),
            "units": "seconds; token counts; pairs = causal query-key pairs",
