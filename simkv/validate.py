@@ -457,6 +457,14 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
                          "time_scale")
     runs = {run: _read_run(measured_dir / run) for run in RUNS}
     measured = runs["realtime"]["summary"]
+    _, sizing = build_scheduler(scn)
+    # The simulator serves the pool the engine served: `num_blocks` (below) checks the sizing
+    # on its own, and a profile re-measured since the run must not change the pool compared.
+    served_blocks = int(measured.get("num_blocks") or 0)
+    if served_blocks and served_blocks != sizing.num_blocks \
+            and scn.cache.num_gpu_blocks_override is None:
+        from simkv.core.config import with_overrides
+        scn = with_overrides(scn, {"cache.num_gpu_blocks_override": served_blocks})
     cost_model = build_cost_model(scn)
     sim = simulate(scn, trace_df=frame, cost_model=cost_model)
     simulated = dict(sim.summary)
@@ -467,7 +475,6 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     sat_rps = runs["saturated"]["summary"]["throughput_requests_per_s"]
     span = meta["arrival_span_s"]
     offered = len(frame) / span if span > 0 else None
-    _, sizing = build_scheduler(scn)
     ledger_blocks = ledger_num_blocks(runs["realtime"]["ledger"], scn, sizing.bytes_per_block)
     engine_blocks = ledger_blocks if ledger_blocks is not None else measured["num_blocks"]
     error = {}

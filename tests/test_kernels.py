@@ -266,3 +266,159 @@ def test_prefill_with_rows_before_and_after_its_sequences():
     assert (out[:3] == 7.0).all() and (out[12:] == 7.0).all()
     assert not (ref[3:12] == 7.0).all()
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+# -- split merge inside the decode kernel (the last split program of a (sequence, KV head)) ---
+
+
+def _decode_both_merges(seed, lens, block_size, num_kv_heads, group, head_dim, dtype, num_splits, counters=None,
+                        seq_lens=None):
+    """(fused-merge output, second-kernel-merge output, reference); outputs start at NaN."""
+    from simkv.gpu.kernels import DecodeConfig, decode_config
+
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables, lens_t = make_paged(gen, lens, block_size, num_kv_heads, head_dim, dtype)
+    seq_lens = lens_t if seq_lens is None else seq_lens
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    base = decode_config(block_size, head_dim, dtype)
+    outs = []
+    for fused in (True, False):
+        cfg = DecodeConfig(base.tile, base.num_warps, base.num_stages, fused_merge=fused)
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, num_splits=num_splits,
+                               config=cfg, counters=counters if fused else None)
+        outs.append(out)
+    ref = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens)
+    return outs[0], outs[1], ref
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 40])
+def test_decode_fused_merge_matches_the_reference_and_the_merge_kernel(num_splits):
+    # lengths 1, B-1, B, B+1 and a long one; 40 splits leave most splits of the short ones empty
+    # and take several merge chunks
+    block = 16
+    fused, apart, ref = _decode_both_merges(70 + num_splits, [1, block - 1, block, block + 1, 300], block,
+                                            num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32,
+                                            num_splits=num_splits)
+    assert rel_err(fused, ref) < TOL[torch.float32]
+    assert rel_err(apart, ref) < TOL[torch.float32]
+    torch.testing.assert_close(fused, apart, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_fused_merge_gqa_groups(group):
+    # group 3 is not a power of two: the merge pads the group and must not write the pad rows
+    fused, _, ref = _decode_both_merges(80 + group, [37, 70], 16, num_kv_heads=2, group=group, head_dim=64,
+                                        dtype=torch.float16, num_splits=5)
+    assert rel_err(fused, ref) < TOL[torch.float16]
+
+
+def test_decode_fused_merge_leaves_counters_at_zero_and_reuses_them():
+    # a second call on the same counters must merge again (the first left them at 0)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    for seed in (90, 91):
+        fused, _, ref = _decode_both_merges(seed, [50, 3, 129], 16, 2, 4, 64, torch.float32, num_splits=6,
+                                            counters=counters)
+        assert rel_err(fused, ref) < TOL[torch.float32]
+        assert (counters == 0).all()
+
+
+def test_decode_rejects_counters_of_the_wrong_type_or_size():
+    from simkv.gpu.kernels import DecodeConfig, decode_config
+    fused = DecodeConfig(**{**decode_config(16, 64, torch.float32).__dict__, "fused_merge": True})
+    gen = torch.Generator().manual_seed(92)
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, [20, 30], 16, 2, 64, torch.float32)
+    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE)
+    for bad in (torch.zeros(4, dtype=torch.float32, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="counters"):
+            paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=2, counters=bad,
+                                   config=fused)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 40])
+def test_decode_fused_merge_leaves_padding_rows_untouched(num_splits):
+    from simkv.gpu.kernels import DecodeConfig
+
+    gen = torch.Generator().manual_seed(93)
+    k_cache, v_cache, block_tables, _ = make_paged(gen, [40, 40, 40, 40], 16, 2, 64, torch.float32)
+    seq_lens = torch.tensor([0, 40, 0, 17], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(4, 8, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(q, 7.0)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, num_splits=num_splits,
+                           config=DecodeConfig(fused_merge=True, num_warps=4), counters=counters)
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=torch.full_like(q, 7.0))
+    assert (out[[0, 2]] == 7.0).all()
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert (counters == 0).all()
+
+
+def test_split_counters_are_zero_grow_and_keep_old_buffers():
+    from simkv.gpu.kernels import decode as decode_mod
+
+    device = torch.device(DEVICE)
+    held = decode_mod._COUNTERS.pop(device, None)
+    try:
+        small = decode_mod.split_counters(device, 10)
+        assert small.dtype == torch.int32 and small.numel() >= 10 and (small == 0).all()
+        assert decode_mod.split_counters(device, small.numel()) is small
+        big = decode_mod.split_counters(device, small.numel() + 1)
+        assert big.numel() > small.numel() and (big == 0).all()
+        assert decode_mod._COUNTERS[device] == [small, big]   # graphs captured with `small` keep it
+    finally:
+        decode_mod._COUNTERS.pop(device, None)
+        if held is not None:
+            decode_mod._COUNTERS[device] = held
+
+
+# -- prefill variants: block-table loads left to the pipeliner, 64-bit offsets --------------
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefill_page_loading_variants(block_size, prefetch):
+    # BLOCK_N 16: block 8 spans two pages per key tile, 16 and 32 hold whole tiles (one page load)
+    config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, prefetch_pages=prefetch)
+    gen = torch.Generator().manual_seed(100 + block_size)
+    q_lens, cached = [1, 15, 16, 17, 40], [0, 9, 16, 33, 0]
+    lens = [a + b for a, b in zip(q_lens, cached)]
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, lens, block_size, 2, 64, torch.float32)
+    starts = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), 8, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, starts, seq_lens, out=out, config=config)
+    ref = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, starts, seq_lens)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_kernels_agree_with_64_bit_offsets(monkeypatch):
+    # caches too large for int32 offsets take the int64 path; force it on small ones
+    from simkv.gpu.kernels import decode as decode_mod
+    from simkv.gpu.kernels import prefill as prefill_mod
+
+    gen = torch.Generator().manual_seed(110)
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, [20, 45], 8, 2, 64, torch.float32)
+    q = torch.randn(2, 8, 64, generator=gen).to(DEVICE)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    results = []
+    for fits in (True, False):
+        monkeypatch.setattr(decode_mod, "offsets_fit_int32", lambda *caches, fits=fits: fits)
+        monkeypatch.setattr(prefill_mod, "offsets_fit_int32", lambda *caches, fits=fits: fits)
+        results.append((
+            paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=2),
+            paged_prefill_attention(q, k_cache, v_cache, block_tables, starts, seq_lens, config=SMALL_PREFILL),
+        ))
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    for decode_out, prefill_out in results:
+        assert rel_err(decode_out, ref) < TOL[torch.float32]
+        assert rel_err(prefill_out, ref) < TOL[torch.float32]   # one new token: decode
+
+
+def test_offsets_fit_int32_reads_the_caches_extent():
+    from simkv.gpu.kernels._common import offsets_fit_int32
+
+    small = torch.empty(100, 16, 8, 128, device="meta")
+    large = torch.empty(2**20, 16, 8, 128, device="meta")     # 2**34 elements
+    assert offsets_fit_int32(small, small)
+    assert not offsets_fit_int32(small, large)
+    assert not offsets_fit_int32(large.as_strided((2, 16, 8, 128), (2**31, 1024, 128, 1)))

@@ -206,6 +206,9 @@ def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_compositio
     m = ProfiledCostModel.load(path, block_size=32)
     for point in design():
         f = features(point.items)
-        f["graph"] = int(f["num_prefill_tokens"] == 0 and f["num_decode_seqs"] <= 256)
+        f["graph"] = int(layout.is_graphed(f["num_prefill_tokens"], f["num_decode_seqs"]))
         expected = F.predict_step(fit["step"]["32"], f, layout, 32)
-        assert m.predict(plan_of(point.items)) == pytest.approx(expected, rel=1e-9), point.id
+        plan = plan_of(point.items)
+        expected += F.engine_host_seconds(fit.get("engine_host"), len(plan.scheduled),
+                                          plan.num_prefill_tokens)
+        assert m.predict(plan) == pytest.approx(expected, rel=1e-9), point.id

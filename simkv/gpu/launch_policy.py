@@ -9,7 +9,8 @@ from __future__ import annotations
 # Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
 # (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
 # towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
-# tiles (these two are first guesses; `python -m simkv.gpu.bench tune` sweeps them).
+# tiles (these two are first guesses; `python -m simkv.gpu.bench tune --quick` sweeps them at batch
+# 1/4/8 and writes the winners to best.json under "constants").
 FULL_PROGRAMS_PER_SM = 2
 SPLIT_PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 2

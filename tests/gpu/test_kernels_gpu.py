@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 from simkv.gpu import reference  # noqa: E402
 from simkv.gpu.kernels import (  # noqa: E402
     INTERPRET,
+    DecodeConfig,
+    PrefillConfig,
     copy_blocks,
     decode_num_splits,
     decode_config,
@@ -108,11 +110,16 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    seq_lens.copy_(torch.tensor([1, 15, 16, 17, 1000, 2048, 4000, 4096], device=DEVICE, dtype=torch.int32))
-    q.normal_(generator=gen)
-    graph.replay()
-    ref = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens)
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    # replays merge again each time: the in-kernel merge's counters are back at 0 after each
+    for lens in ([1, 15, 16, 17, 1000, 2048, 4000, 4096], [4096, 0, 3, 0, 2049, 1, 700, 64]):
+        seq_lens.copy_(torch.tensor(lens, device=DEVICE, dtype=torch.int32))
+        q.normal_(generator=gen)
+        out.fill_(7.0)
+        graph.replay()
+        ref = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens,
+                                               out=torch.full_like(q, 7.0))
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert (out[seq_lens == 0] == 7.0).all()
 
 
 def test_reshape_and_cache_and_copy_blocks_at_scale():
@@ -163,5 +170,43 @@ def test_prefill_of_a_single_sequence(q_len, cached):
     starts = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
     q = torch.randn(q_len, 32, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
     out = paged_prefill_attention(q, k_cache, v_cache, block_tables, starts, seq_lens)
+    ref = reference.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, starts, seq_lens)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 33, 128])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_decode_fused_merge_matches_the_merge_kernel_at_scale(num_splits, batch):
+    gen = torch.Generator(device=DEVICE).manual_seed(num_splits * 10 + batch)
+    lens = ([4096, 1, 17, 16384, 15, 16, 3000, 8191])[:batch]
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, lens, 16, 8, 128, torch.bfloat16)
+    q = torch.randn(batch, 32, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    base = decode_config(16, 128, torch.bfloat16)
+    outs = []
+    for fused in (True, False):
+        cfg = DecodeConfig(base.tile, base.num_warps, base.num_stages, fused_merge=fused)
+        out = torch.full_like(q, float("nan"))
+        for _ in range(3):  # repeated calls reuse the shared counters
+            paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, num_splits=num_splits,
+                                   config=cfg)
+        outs.append(out)
+    ref = reference.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens)
+    assert rel_err(outs[0], ref) < TOL[torch.bfloat16]
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("tiles", [(128, 64, 8, 3), (64, 128, 4, 2), (128, 32, 4, 4)])
+def test_prefill_tile_and_page_loading_variants(block_size, prefetch, tiles):
+    gen = torch.Generator(device=DEVICE).manual_seed(200 + block_size)
+    q_lens, cached = [1, 300, 1000, 77, 513], [0, 500, 2048, 3, 0]
+    lens = [a + b for a, b in zip(q_lens, cached)]
+    k_cache, v_cache, block_tables, seq_lens = make_paged(gen, lens, block_size, 8, 128, torch.bfloat16)
+    starts = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), 32, 128, generator=gen, device=DEVICE).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    config = PrefillConfig(*tiles, prefetch_pages=prefetch)
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, starts, seq_lens, out=out, config=config)
     ref = reference.paged_prefill_attention(q.float(), k_cache.float(), v_cache.float(), block_tables, starts, seq_lens)
     assert rel_err(out, ref) < TOL[torch.bfloat16]

@@ -83,3 +83,13 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def offsets_fit_int32(*caches: torch.Tensor) -> bool:
+    """Whether every element offset inside each cache (from its first element) fits in int32, so
+    that the kernels may compute page offsets without 64-bit multiplies."""
+    for cache in caches:
+        last = sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()) if size > 0)
+        if last >= 2**31 - 1:
+            return False
+    return True

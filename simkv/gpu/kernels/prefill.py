@@ -18,17 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale
+from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale, offsets_fit_int32
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch parameters of the prefill kernel: query and key tile sizes, warps, pipeline depth."""
+    """Launch parameters of the prefill kernel: query and key tile sizes, warps, pipeline depth,
+    and whether block-table entries are loaded one key tile ahead by hand (True) or left to the
+    compiler's pipeliner (False)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    prefetch_pages: bool = True
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
@@ -56,6 +59,30 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, mask, PRECISION: t
     return m_new, l_i, acc
 
 
+@triton.jit
+def _tile_pages(bt_row, first_key, offs_n, seq_len, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Page number of each key of the tile starting at `first_key` (a scalar if one page holds
+    # the whole tile). Keys past the sequence read page 0, which they never use.
+    if BLOCK_SIZE >= BLOCK_N:
+        return tl.load(bt_row + first_key // BLOCK_SIZE, mask=first_key < seq_len, other=0)
+    else:
+        key = first_key + offs_n
+        return tl.load(bt_row + key // BLOCK_SIZE, mask=key < seq_len, other=0)
+
+
+@triton.jit
+def _kv_offsets(page, key, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                BLOCK_SIZE: tl.constexpr, OFF32: tl.constexpr):
+    # Element offsets of the keys' rows from the head's first element; int32 arithmetic when
+    # every offset in the caches fits (checked at launch), else int64.
+    in_page = key % BLOCK_SIZE
+    if OFF32:
+        return page * stride_k_block + in_page * stride_k_tok, page * stride_v_block + in_page * stride_v_tok
+    else:
+        page64 = page.to(tl.int64)
+        return page64 * stride_k_block + in_page * stride_k_tok, page64 * stride_v_block + in_page * stride_v_tok
+
+
 # num_seqs == 1 would otherwise be specialised into a Python constant.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_prefill_kernel(
@@ -68,7 +95,8 @@ def _paged_prefill_kernel(
     stride_o_tok, stride_o_head,
     num_seqs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH_PAGES: tl.constexpr, OFF32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
     # Highest tiles first: under the causal mask they carry the most work, so the tail is short.
@@ -118,27 +146,33 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Page numbers are loaded one key tile ahead, so that the K/V loads of a tile depend on no
-    # load of the same iteration and the compiler can pipeline them.
-    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0)
+    # With PREFETCH_PAGES the page numbers are loaded one key tile ahead, so that the K/V loads
+    # of a tile depend on no load of the same iteration; without, the block-table load stays in
+    # the iteration and the compiler's pipeliner schedules it (an indirect load) stages ahead.
+    # When a page holds whole key tiles (BLOCK_SIZE >= BLOCK_N) a tile needs one page number.
+    page = _tile_pages(bt_row, 0, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
     for kt in range(0, n_full):
+        if not PREFETCH_PAGES:
+            page = _tile_pages(bt_row, kt * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         key = kt * BLOCK_N + offs_n
-        k_off = page.to(tl.int64) * stride_k_block + (key % BLOCK_SIZE) * stride_k_tok
-        v_off = page.to(tl.int64) * stride_v_block + (key % BLOCK_SIZE) * stride_v_tok
+        k_off, v_off = _kv_offsets(page, key, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                                   BLOCK_SIZE, OFF32)
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :])
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :])
-        next_key = key + BLOCK_N
-        page = tl.load(bt_row + next_key // BLOCK_SIZE, mask=next_key < seq_len, other=0)
+        if PREFETCH_PAGES:
+            page = _tile_pages(bt_row, (kt + 1) * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, None, PRECISION, False)
     for kt in range(n_full, n_all):
+        if not PREFETCH_PAGES:
+            page = _tile_pages(bt_row, kt * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         key = kt * BLOCK_N + offs_n
         key_valid = key < seq_len
-        k_off = page.to(tl.int64) * stride_k_block + (key % BLOCK_SIZE) * stride_k_tok
-        v_off = page.to(tl.int64) * stride_v_block + (key % BLOCK_SIZE) * stride_v_tok
+        k_off, v_off = _kv_offsets(page, key, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                                   BLOCK_SIZE, OFF32)
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
-        next_key = key + BLOCK_N
-        page = tl.load(bt_row + next_key // BLOCK_SIZE, mask=next_key < seq_len, other=0)
+        if PREFETCH_PAGES:
+            page = _tile_pages(bt_row, (kt + 1) * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         causal = (key[None, :] <= pos[:, None]) & key_valid[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, causal, PRECISION, True)
 
@@ -200,7 +234,8 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         num_seqs,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=DOT_PRECISION,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PREFETCH_PAGES=cfg.prefetch_pages,
+        OFF32=offsets_fit_int32(k_cache, v_cache), PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
