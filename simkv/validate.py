@@ -55,6 +55,7 @@ BOUNDS = {
     "all": {"preemptions": 0.10, "running_peak": 0.10, "num_blocks": 0.02},
 }
 LOW_LOAD = 0.7
+LARGE_BATCH = 128           # decode batches above this are reported apart in the step diagnostic
 LONG_STEP_S = 0.25          # a step this long on the GPU is a compile stall or a hiccup
 RUNS = ("saturated", "realtime")
 
@@ -357,9 +358,14 @@ class _PlanReplay:
         k = len(self.rows)
         if self.matching and k < len(self.tokens) \
                 and self.tokens[k] == (plan.num_prefill_tokens, plan.num_decode_tokens):
-            eager = plan.num_prefill_tokens > 0 or len(plan.scheduled) > 256
-            self.rows.append((predicted, self.duration_s[k], self.span_s[k], eager,
-                              len(plan.scheduled), plan.num_prefill_tokens))
+            decodes = len(plan.scheduled) - plan.num_prefill_seqs
+            layout = getattr(self.inner, "layout", None)
+            graphed = layout.is_graphed(plan.num_prefill_tokens, decodes) if layout is not None \
+                else plan.num_prefill_tokens == 0 and decodes <= 256
+            kind = ("eager" if not graphed else
+                    "mixed_graph" if plan.num_prefill_tokens else "decode_graph")
+            self.rows.append((predicted, self.duration_s[k], self.span_s[k], kind,
+                              len(plan.scheduled), plan.num_prefill_tokens, decodes))
             end = self.start_s[k] + self.duration_s[k]
             if k + 1 < len(self.start_s) and self.start_s[k + 1] - end < self.IDLE_GAP_S:
                 return max(1e-9, float(self.start_s[k + 1] - plan.now_s))
@@ -383,11 +389,16 @@ def _step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
            "host_outside_span_fraction": _outside_fraction(steps),
            "replayed_error": {k: relative_error(_get(replayed, k), _get(measured["summary"], k))
                               for k in ERROR_KEYS[:5]}}
-    rows = pd.DataFrame(replay.rows, columns=["predicted_s", "duration_s", "span_s", "eager",
-                                              "num_seqs", "num_prefill_tokens"])
+    rows = pd.DataFrame(replay.rows, columns=["predicted_s", "duration_s", "span_s", "kind",
+                                              "num_seqs", "num_prefill_tokens", "num_decodes"])
     if rows.span_s.notna().all() and len(rows) >= 3:
         out["host_outside_span_fit"] = _fit_host_term(rows)
-    for family, part in (("graphed", rows[~rows.eager]), ("eager", rows[rows.eager])):
+    large = rows.num_decodes > LARGE_BATCH
+    families = [(kind, rows[rows.kind == kind]) for kind in ("decode_graph", "mixed_graph",
+                                                             "eager")]
+    families += [(f"{kind}_over_{LARGE_BATCH}_decodes", rows[(rows.kind == kind) & large])
+                 for kind in ("decode_graph", "eager")]
+    for family, part in families:
         if part.empty:
             continue
         entry = {"steps": int(len(part)),
@@ -414,18 +425,6 @@ def _fit_host_term(rows: pd.DataFrame) -> dict:
     x = np.c_[np.ones(len(rows)), rows.num_seqs, rows.num_prefill_tokens].astype(np.float64)
     coef, *_ = np.linalg.lstsq(x, (rows.duration_s - rows.span_s).to_numpy(), rcond=None)
     return dict(zip(("c0_s", "c_seq_s", "c_prefill_token_s"), map(float, np.maximum(coef, 0))))
-
-
-class _WithHostTerm:
-    """The cost model plus a host term per step (what-if for the diagnostic, not the headline)."""
-
-    def __init__(self, inner, fit: dict):
-        self.inner, self.fit, self.name = inner, fit, inner.name + "+host"
-
-    def predict(self, plan) -> float:
-        f = self.fit
-        return (self.inner.predict(plan) + f["c0_s"] + f["c_seq_s"] * len(plan.scheduled)
-                + f["c_prefill_token_s"] * plan.num_prefill_tokens)
 
 
 def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
@@ -517,12 +516,8 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
         result["steps"] = {run: _step_diagnostics(scn, frame if run == "realtime" else at_zero,
                                                   runs[run], cost_model)
                            for run in RUNS}
-        fit = result["steps"]["saturated"].get("host_outside_span_fit")
-        if fit is not None:     # fitted on the saturated run, tried on the real-time one
-            what_if = simulate(scn, trace_df=frame, cost_model=_WithHostTerm(cost_model, fit))
-            result["steps"]["error_with_host_term"] = {
-                k: relative_error(_get(what_if.summary, k), _get(measured, k))
-                for k in ERROR_KEYS[:7]}
+        # the engine's time outside the executor, as the profile's engine pass measured it
+        result["steps"]["profile_engine_host"] = getattr(cost_model, "engine_host", None)
     out = Path(out) if out is not None else (profiles_dir() / scn.gpu.name / scn.model.name
                                              / "validation" / f"{scn.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,13 @@ The device work of a forward step of N batched tokens on a given block size (sec
       + a_pf  * prefill_attention_pairs               prefill attention work (causal q-k pairs)
       + a_ctx * prefill_context_tokens                prefill attention's KV read
       + c_seq * num_seqs                              per-sequence input building, sampling
-      + (c_mixed + c_mixed_row * N_eff + c_mixed_seq * num_decode_seqs) * [graphed mixed step]
-                                                      what a mixed graph adds to a decode one
-                                                      of as many rows: the prefill kernel's
-                                                      padded grid, per-item input building
+      + c_prefill_row * N_eff * [step has prefill chunks]    what a step with chunks costs per
+                                                      row beyond a decode step of as many
+                                                      rows (T_lin is pinned by decode graphs
+                                                      up to 256 rows, by chunked steps above)
+      + (c_mixed + c_mixed_seq * num_decode_seqs) * [graphed mixed step]
+                                                      a mixed graph's fixed extra and its
+                                                      per-item input building
       + c_eager * [step runs eagerly]
 
 N_eff is N, or the CUDA-graph size a graphed step is padded to: the batch size of a decode-only
@@ -335,7 +338,7 @@ def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
             f["num_decode_seqs"] + f["num_prefill_seqs"],
             float(b) if graph and mixed else 0.0,
             1.0 if graph and mixed else 0.0,
-            float(layout.rows(n, graph, True)) if graph and mixed else 0.0,
+            float(layout.rows(n, graph, True)) if mixed else 0.0,
             0.0 if graph else 1.0]
     return row
 
@@ -346,7 +349,7 @@ def coef_names(form: str, token_knots) -> list:
         else ["a_decode_s_per_token"]
     return names + ["a_decode_longest_s_per_token", "a_prefill_s_per_pair",
                     "a_prefill_ctx_s_per_token", "c_seq_s", "c_mixed_seq_s", "c_mixed_s",
-                    "c_mixed_row_s", "c_eager_s",
+                    "c_prefill_row_s", "c_eager_s",
                     "host_floor_s",
                     "host_floor_s_per_seq"]
 
@@ -362,7 +365,7 @@ def pack_step_coefs(c, h, form: str, token_knots) -> dict:
             "a_decode_longest_s_per_token": c[j],
             "a_prefill_s_per_pair": c[j + 1], "a_prefill_ctx_s_per_token": c[j + 2],
             "c_seq_s": c[j + 3], "c_mixed_seq_s": c[j + 4], "c_mixed_s": c[j + 5],
-            "c_mixed_row_s": c[j + 6], "c_eager_s": c[j + 7],
+            "c_prefill_row_s": c[j + 6], "c_eager_s": c[j + 7],
             "host_floor_s": _round(float(h[0])), "host_floor_s_per_seq": _round(float(h[1]))}
 
 
@@ -390,8 +393,9 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
     seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
     seconds += coefs["c_seq_s"] * seqs
     if graph and mixed:
-        seconds += coefs.get("c_mixed_seq_s", 0.0) * b + coefs.get("c_mixed_s", 0.0) \
-            + coefs.get("c_mixed_row_s", 0.0) * layout.rows(n, True, True)
+        seconds += coefs.get("c_mixed_seq_s", 0.0) * b + coefs.get("c_mixed_s", 0.0)
+    if mixed:
+        seconds += coefs.get("c_prefill_row_s", 0.0) * layout.rows(n, graph, True)
     if graph:
         return seconds
     seconds += coefs["c_eager_s"]
@@ -463,7 +467,7 @@ def _cv_errors(x, hx, t, eager, fold) -> np.ndarray:
     return err
 
 
-SHARED_TAIL = 5     # c_seq, c_mixed_seq, c_mixed, c_mixed_row, c_eager: the same for every
+SHARED_TAIL = 5     # c_seq, c_mixed_seq, c_mixed, c_prefill_row, c_eager: the same for every
                     # block size (host work, padding)
 
 
@@ -664,8 +668,8 @@ def fit_profile(profile_dir, out=None) -> dict:
            "formula": ("G = T_lin(N_eff) + a_dec(B) * decode_context_tokens + a_long * "
                        "longest_program_tokens + a_pf * "
                        "prefill_attention_pairs + a_ctx * prefill_context_tokens + c_seq * "
-                       "num_seqs + (c_mixed + c_mixed_row * N_eff + c_mixed_seq * num_decode_seqs) * "
-                       "[graphed mixed] + c_eager * [eager]; "
+                       "num_seqs + c_prefill_row * N_eff * [prefill chunks] + (c_mixed + "
+                       "c_mixed_seq * num_decode_seqs) * [graphed mixed] + c_eager * [eager]; "
                        "graphed step: t = G; eager step: "
                        "t = max(G, host_floor + host_floor_per_seq * num_seqs); plus copies "
                        "and swaps: c0 + c_block * blocks + c_byte * bytes"),

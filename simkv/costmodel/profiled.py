@@ -151,7 +151,7 @@ class ProfiledCostModel:
                 value = _numbers(_need(entry, key, path, f"step.{bs}."), f"step.{bs}.{key}", path)
                 coefs[key] = value if key in ("t_linear_s", "a_decode_s_per_token") else value[0]
             for key in ("host_floor_s", "host_floor_s_per_seq", "c_mixed_seq_s", "c_mixed_s",
-                        "c_mixed_row_s",    # absent: no such term
+                        "c_prefill_row_s",    # absent: no such term
                         "a_decode_longest_s_per_token"):
                 coefs[key] = _numbers(entry.get(key, 0.0), f"step.{bs}.{key}", path)[0]
             if len(coefs["t_linear_s"]) != len(self.token_knots):
@@ -211,7 +211,7 @@ class ProfiledCostModel:
         self._c_eager = c["c_eager_s"]
         self._c_mixed_seq = c.get("c_mixed_seq_s", 0.0)
         self._c_mixed = c.get("c_mixed_s", 0.0)
-        self._c_mixed_row = c.get("c_mixed_row_s", 0.0)
+        self._c_prefill_row = c.get("c_prefill_row_s", 0.0)
         self._a_long = c["a_decode_longest_s_per_token"]
         self._h0 = c["host_floor_s"]
         self._h_seq = c["host_floor_s_per_seq"]
@@ -263,7 +263,9 @@ class ProfiledCostModel:
         seconds += self._a_ctx * plan.prefill_context_tokens
         seconds += self._c_seq * num_seqs
         if graph and mixed:
-            seconds += self._c_mixed_seq * decodes + self._c_mixed + self._c_mixed_row * rows
+            seconds += self._c_mixed_seq * decodes + self._c_mixed
+        if mixed:
+            seconds += self._c_prefill_row * rows
         if graph:
             return seconds
         # Eager: every kernel is launched from Python; small steps wait on the host.

@@ -34,11 +34,7 @@ import torch
 
 from simkv.gpu.model import AttentionMetadata, LlamaModel
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Token counts of the captured mixed (prefill + decode) steps. The linear layers' time is nearly
-# flat up to ~512 tokens on an H200 (profiles/h200/*/fit.json), so the steps are coarse there and
-# finer above, where padding costs device time.
-MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+from simkv.gpu.launch_policy import GRAPH_BATCH_SIZES, MIXED_TOKEN_SIZES  # noqa: F401
 
 
 def poison_enabled() -> bool:

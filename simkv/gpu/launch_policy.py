@@ -6,6 +6,15 @@ split rule the kernel launches with, so the rule lives here, importable without 
 from __future__ import annotations
 
 
+# Token counts of the engine's captured mixed (prefill + decode) steps (simkv.gpu.executor). The
+# linear layers' time is nearly flat up to ~512 tokens on an H200 (profiles/h200/*/fit.json), so
+# the steps are coarse there and finer above, where padding costs device time. Steps with prefill
+# chunks and more tokens than the largest run eagerly.
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+# Decode-only steps run as CUDA graphs at these batch sizes (up to max_num_seqs).
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 # Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
 # (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
 # towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
