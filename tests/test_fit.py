@@ -19,12 +19,13 @@ from simkv.errors import InputError
 from simkv.gpu.profiler import design, features
 
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# token knots up to the design's largest step, as the fit derives them
+KNOTS = F.token_knots_for(max(sum(n for _, n, _ in p.items) for p in design()))
 
 
 def known_coefs(bs: int) -> dict:
     """Plausible 8B-like coefficients; attention per token grows a little with smaller blocks."""
-    knots = F.token_knots_for(8192)
-    t_lin = [4e-3 + 2.2e-5 * max(0, k - 128) for k in knots]
+    t_lin = [4e-3 + 2.2e-5 * max(0, k - 128) for k in KNOTS]
     return {"t_linear_s": t_lin,
             "a_decode_s_per_token": [4e-8 * (1 + 4 / bs)],
             "a_prefill_s_per_pair": 2e-12,
@@ -36,7 +37,7 @@ def known_coefs(bs: int) -> dict:
 def synthetic_profile(tmp_path: Path, block_sizes=(16, 64), noise=0.0, seed=0) -> Path:
     """A profile directory whose step times follow known_coefs (times noise, if any)."""
     rng = np.random.default_rng(seed)
-    layout = F.StepLayout(tuple(F.token_knots_for(8192)), tuple(GRAPH_SIZES))
+    layout = F.StepLayout(tuple(KNOTS), tuple(GRAPH_SIZES))
     rows = []
     for bs in block_sizes:
         coefs = known_coefs(bs)
@@ -87,7 +88,10 @@ def test_fit_recovers_the_coefficients_that_generated_the_data(tmp_path):
     for bs in (16, 64):
         truth = known_coefs(bs)
         got = fit["step"][str(bs)]
-        assert np.allclose(got["t_linear_s"], truth["t_linear_s"], rtol=1e-4)
+        # knots beyond the largest step (8,200 tokens) are set by a few steps near it only
+        inside = [i for i, k in enumerate(KNOTS) if k <= 8192]
+        assert np.allclose(np.array(got["t_linear_s"])[inside],
+                           np.array(truth["t_linear_s"])[inside], rtol=1e-4)
         for key in ("a_decode_s_per_token",):
             assert np.allclose(got[key], truth[key], rtol=1e-4)
         for key in ("a_prefill_s_per_pair", "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s",
