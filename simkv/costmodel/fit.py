@@ -34,6 +34,7 @@ any fitting and listed in the fit; `holdout_error` is the relative error on them
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -43,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from simkv.errors import InputError
+from simkv.gpu.launch_policy import decode_num_splits
 
 FIT_FORMAT = "simkv-fit/1"
 STEP_COLUMNS = (
@@ -230,6 +232,9 @@ def token_knots_for(max_tokens: int) -> list:
     return knots
 
 
+_num_splits = functools.lru_cache(maxsize=4096)(decode_num_splits)   # called every step
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
@@ -274,7 +279,6 @@ class StepLayout:
                                block_size: int, mixed_tokens: int = 0) -> int:
         """Context tokens the decode kernel's busiest program reads (0 without decodes).
         `mixed_tokens`: the step's tokens when it also has prefill chunks."""
-        from simkv.gpu.launch_policy import decode_num_splits
         if not num_decode_seqs:
             return 0
         tile = self.decode_tile
@@ -289,7 +293,7 @@ class StepLayout:
         else:       # eager tables are padded to a multiple of 16 blocks
             batch = num_decode_seqs
             width = -(-max_context // (16 * block_size)) * 16 * block_size
-        splits = decode_num_splits(batch, self.num_kv_heads, width, tile, self.sm_count)
+        splits = _num_splits(batch, self.num_kv_heads, width, tile, self.sm_count)
         tiles = -(-max_context // tile)
         return -(-tiles // splits) * tile
 

@@ -216,6 +216,8 @@ class ProfiledCostModel:
         self._h0 = c["host_floor_s"]
         self._h_seq = c["host_floor_s_per_seq"]
         self._max_graph = self.graph_batch_sizes[-1] if self.graph_batch_sizes else 0
+        self._linear_cache: dict = {}      # rows -> T_lin(rows); the simulator asks every step
+        self._a_dec_cache: dict = {}       # decode batch -> a_dec(batch)
         self._graph_rows = [next((b for b in self.graph_batch_sizes if b >= n), n)
                             for n in range(self._max_graph + 1)]
 
@@ -246,13 +248,18 @@ class ProfiledCostModel:
             mixed = 0
             graph = decodes <= self._max_graph
             rows = self._graph_rows[tokens] if graph else tokens
-        seconds = self._linear(rows)
+        seconds = self._linear_cache.get(rows)
+        if seconds is None:
+            seconds = self._linear_cache[rows] = self._linear(rows)
         a_dec = self._a_dec
         if len(a_dec) == 1:
             seconds += a_dec[0] * plan.decode_context_tokens
         elif decodes:
-            w = hats(math.log2(decodes), LOG_BATCH_KNOTS, False)
-            seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * plan.decode_context_tokens
+            per_token = self._a_dec_cache.get(decodes)
+            if per_token is None:
+                w = hats(math.log2(decodes), LOG_BATCH_KNOTS, False)
+                per_token = self._a_dec_cache[decodes] = sum(wi * ai for wi, ai in zip(w, a_dec))
+            seconds += per_token * plan.decode_context_tokens
         if self._a_long and decodes:
             longest = getattr(plan, "decode_max_context", 0)
             if not longest:          # plans that do not carry the feature: scan the batch
