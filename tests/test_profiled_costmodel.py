@@ -212,3 +212,61 @@ def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_compositio
         expected += F.engine_host_seconds(fit.get("engine_host"), len(plan.scheduled),
                                           plan.num_prefill_tokens)
         assert m.predict(plan) == pytest.approx(expected, rel=1e-9), point.id
+
+
+# -- mixed-step graphs and the engine's own time -----------------------------------------------
+
+
+def test_a_step_with_a_chunk_runs_as_a_mixed_graph_padded_to_its_token_size(tmp_path):
+    # 3 decodes + a 30-token chunk = 33 tokens -> the mixed graph of 64 tokens: T_lin(64), the
+    # per-row term of chunked steps on 64 rows, the mixed graph's constant and per-decode terms
+    step = dict(coefs(1.0), c_prefill_row_s=1e-6, c_mixed_s=5e-4, c_mixed_seq_s=2e-5)
+    path = write_fit(tmp_path, step={"16": step, "64": coefs(2.0)},
+                     layout={"mixed_token_sizes": [16, 64, 256], "max_num_seqs": 256})
+    m = ProfiledCostModel.load(path, block_size=16)
+    plan = plan_of([(99, 1, True)] * 3 + [(0, 30, False)])
+    expected = 3e-3 + 1e-8 * 300 + 1e-12 * (30 * 31 // 2) + 2e-9 * 30 + 4e-6 \
+        + 1e-6 * 64 + 5e-4 + 2e-5 * 3
+    assert m.predict(plan) == pytest.approx(expected)
+    # past the largest captured size (256 tokens) the step is eager and unpadded
+    big = plan_of([(99, 1, True)] * 3 + [(0, 297, False)])
+    t_lin_300 = 3e-3 + (300 - 64) / (512 - 64) * (1e-2 - 3e-3)
+    expected = t_lin_300 + 1e-8 * 300 + 1e-12 * (297 * 298 // 2) + 2e-9 * 297 + 4e-6 \
+        + 1e-6 * 300 + 1e-4
+    assert m.predict(big) == pytest.approx(expected)
+
+
+def test_the_engine_host_term_is_added_to_every_step(tmp_path):
+    engine = {"c0_s": 1e-4, "c_seq_s": 2e-6, "c_prefill_token_s": 1e-7}
+    without = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    with_host = ProfiledCostModel.load(write_fit(tmp_path, engine_host=engine), block_size=16)
+    plan = plan_of([(99, 1, True)] * 3 + [(0, 40, False)])
+    assert with_host.predict(plan) - without.predict(plan) == \
+        pytest.approx(1e-4 + 2e-6 * 4 + 1e-7 * 40)
+    assert with_host.describe()["engine_host"] == engine
+
+
+def test_fit_engine_host_recovers_the_terms_of_the_engine_pass():
+    import numpy as np
+    import pandas as pd
+    from simkv.costmodel.fit import fit_engine_host
+    rng = np.random.default_rng(3)
+    seqs = rng.integers(1, 256, 400)
+    prefill = np.where(rng.random(400) < 0.3, rng.integers(16, 8192, 400), 0)
+    outside = 7e-5 + 1.7e-6 * seqs + 1.1e-7 * prefill
+    fit = fit_engine_host(pd.DataFrame({"num_seqs": seqs, "num_prefill_tokens": prefill,
+                                        "outside_s": outside}))
+    assert fit["c0_s"] == pytest.approx(7e-5, rel=1e-3)
+    assert fit["c_seq_s"] == pytest.approx(1.7e-6, rel=1e-3)
+    assert fit["c_prefill_token_s"] == pytest.approx(1.1e-7, rel=1e-3)
+    assert fit["rows"] == 400 and fit["median_abs_error_s"] < 1e-9
+
+
+def test_the_profilers_engine_workload_is_seeded_and_serving_like():
+    from simkv.gpu.profiler import engine_workload
+    a, b = engine_workload(240, seed=0), engine_workload(240, seed=0)
+    assert a.equals(b) and len(a) == 240 and (a["arrival_s"] == 0).all()
+    assert 16 <= a["prompt_tokens"].min() and a["prompt_tokens"].max() <= 4000
+    assert set(a["n"]) == {1, 2}
+    shared = [ids[0] for ids in a["prefix_ids"] if ids[0] < 1000]     # the four shared prefixes
+    assert 0.15 < len(shared) / 240 < 0.35

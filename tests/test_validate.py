@@ -142,3 +142,13 @@ def test_the_command_measures_then_compares_into_one_folder(tmp_path, capsys):
     written = json.loads((tmp_path / "out" / "tiny-validation.json").read_text())
     assert written["requests"] == 3
     assert "| tiny-validation |" in capsys.readouterr().out
+
+
+def test_the_comparison_simulates_the_pool_the_engine_served(measured, tmp_path):
+    # without an override, `simkv size` gives this scenario a far larger pool than the 256
+    # blocks the engine served; the simulator serves those 256 (num_blocks compares the sizing)
+    path, out = measured
+    sized = write_scenario(tmp_path, SCENARIO.replace(" num_gpu_blocks_override: 256,", ""))
+    result = compare_validation(out, load_validation_scenario(sized), tmp_path / "v.json")
+    assert result["simulated"]["num_blocks"] == result["measured"]["num_blocks"] == 256
+    assert result["error"]["num_blocks"] > 1.0
