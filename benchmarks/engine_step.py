@@ -80,7 +80,7 @@ def decode_plan(batch: int, context: int, block_size: int, vocab: int, first_blo
 
 
 def time_graph(executor, batch: int, reps: int = 50) -> float:
-    graph = executor.graphs[batch][0]
+    graph = executor.steps.decode_graphs[batch][0]
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         kv_read = batch * args.context * kv_bytes_per_token
         floor_s = (weight_bytes + kv_read) / FLOOR_BANDWIDTH
         executor.execute(plan)
-        graph_s = time_graph(executor, next(b for b in executor._graph_buckets() if b >= batch))
+        graph_s = time_graph(executor, next(b for b in executor.steps.decode_buckets() if b >= batch))
         wall_s, gpu_s, prep_s = time_execute(executor, plan)
         executor.use_graphs = False
         eager_wall_s, eager_gpu_s, _ = time_execute(executor, plan, reps=10)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
             "command": "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
             "floor_bandwidth_bytes_per_s": FLOOR_BANDWIDTH, "copy_tbps_measured": copy_tbps,
             "executor_setup_s": setup_s, "num_blocks": num_blocks,
-            "graph_batch_sizes": executor._graph_buckets(), "profile": executor.profile}
+            "graph_batch_sizes": executor.steps.decode_buckets(), "profile": executor.profile}
     (out / "engine_step.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"\n{'batch':>5} {'floor':>7} {'graph':>7} {'x':>5} {'exec':>7} {'host':>6} "
           f"{'eager':>7} {'engine':>7} {'e.host':>6}   (ms)  copy {copy_tbps:.2f} TB/s")

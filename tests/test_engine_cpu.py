@@ -173,13 +173,14 @@ def graphed_cpu_executor(scn, **kwargs):
                            max_model_len=48,
                            max_num_batched_tokens=scn.scheduler.max_num_batched_tokens,
                            poison=True, static_inputs=True, **kwargs)
-    for b in executor._graph_buckets():
-        graph = _Replayed(executor._graph_step(b))
-        executor.graphs[b] = (graph, *graph.outputs)
-    for t in executor._mixed_buckets():
-        graph = _Replayed(executor._mixed_step(t))
-        executor.mixed_graphs[t] = (graph, *graph.outputs)
-    executor.use_graphs = True
+    steps = executor.steps
+    for b in steps.decode_buckets():
+        graph = _Replayed(steps.decode_step(b))
+        steps.decode_graphs[b] = (graph, *graph.outputs)
+    for t in steps.mixed_buckets():
+        graph = _Replayed(steps.mixed_step(t))
+        steps.mixed_graphs[t] = (graph, *graph.outputs)
+    steps.use_graphs = True
     return executor
 
 
@@ -197,14 +198,15 @@ def test_graphed_static_inputs_reproduce_the_eager_tokens(config, runs):
 
 
 def test_mixed_steps_too_large_for_a_graph_run_eagerly():
-    from simkv.gpu import executor as ex
+    from simkv.gpu import launch_policy
     scn = scenario(**{"scheduler.max_num_batched_tokens": 32})
     executor = graphed_cpu_executor(scn, dtype=torch.float64, attention="reference")
-    assert executor._mixed_buckets() == [16, 32]
-    assert executor._mixed_bucket(1, 3, 17) == 32
-    assert executor._mixed_bucket(1, 3, 33) is None
-    assert executor._mixed_bucket(9, 0, 20) is None       # more chunks than the capacity (8)
-    assert ex.MIXED_TOKEN_SIZES[-1] == 1024
+    steps = executor.steps
+    assert steps.mixed_buckets() == [16, 32]
+    assert steps.mixed_bucket(1, 3, 17) == 32
+    assert steps.mixed_bucket(1, 3, 33) is None
+    assert steps.mixed_bucket(9, 0, 20) is None       # more chunks than the capacity (8)
+    assert launch_policy.MIXED_TOKEN_SIZES[-1] == 1024
 
 
 def test_equal_prefix_ids_give_equal_tokens_and_the_rest_is_the_requests_own():

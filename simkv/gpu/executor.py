@@ -8,15 +8,10 @@ the one exception), then one forward over the flattened batch, then greedy sampl
 the last token's logits) for every sequence whose chunk reaches the end of its known tokens. Inputs (token ids, positions, slot mapping, block
 tables, varlen metadata) are built on the host with numpy and sent in one copy per dtype.
 
-Decode-only steps run as CUDA graphs captured at bucketed batch sizes (1, 2, 4, 8, 16, 32, 64,
-128, 256, up to max_num_seqs), with static input buffers (block tables included) at fixed
-addresses, updated in place. Steps with prefill chunks run as CUDA graphs too when their tokens fit
-a captured token count (MIXED_TOKEN_SIZES, up to 1,024 and max_num_batched_tokens): a fixed-shape
-layout puts the decode tokens first, then the chunks, then padding rows, with the attention
-kernels' metadata padded to fixed capacities (padding rows have sequence length 0 and are
-skipped). Larger steps run eagerly; they are bound by device work, not by kernel launches.
-`enforce_eager=True` turns graphs off; `static_inputs=True` runs every step through the
-fixed-shape buffers without capturing (the CPU tests of the graphed path).
+Decode-only steps, and steps with prefill chunks of up to 1,024 tokens, run as CUDA graphs over
+static input buffers (`simkv.gpu.graph_steps`); larger steps run eagerly, bound by device work
+rather than by kernel launches. `enforce_eager=True` turns graphs off; `static_inputs=True` runs
+steps through the fixed-shape buffers without capturing (the CPU tests of the graphed path).
 
 Debug mode `SIMKV_POISON_FREED=1` (or `poison=True`): after every step the engine overwrites the
 K/V of every free block that the prefix cache cannot hit (swapped-out blocks included) with NaN,
@@ -34,7 +29,6 @@ import torch
 
 from simkv.gpu.model import AttentionMetadata, LlamaModel
 
-from simkv.gpu.launch_policy import GRAPH_BATCH_SIZES, MIXED_TOKEN_SIZES  # noqa: F401
 
 
 def poison_enabled() -> bool:
@@ -148,19 +142,18 @@ class GpuExecutor:
         self.swap_space = None
         self._i64 = _Staging(torch.int64, self.device)
         self._i32 = _Staging(torch.int32, self.device)
-        self.graphs: dict = {}             # batch size -> decode graph
-        self.mixed_graphs: dict = {}       # token count -> mixed-step graph
         self.use_graphs = is_cuda and not enforce_eager and attention == "triton"
         self.static_inputs = self.use_graphs or static_inputs
         if is_cuda and attention == "triton":
             self.warmup()
             torch.cuda.empty_cache()
             self.ledger.snapshot("warmup")
+        self.steps = None                  # fixed-shape steps (simkv.gpu.graph_steps)
         if self.static_inputs:
-            self._graph_buffers()
-            self._mixed_buffers()
+            from simkv.gpu.graph_steps import GraphSteps
+            self.steps = GraphSteps(self)
         if self.use_graphs:
-            self._capture_graphs()
+            self.steps.capture()
             self.ledger.snapshot("graphs")
         if self.ledger:
             self.ledger.reset_peak()
@@ -236,134 +229,6 @@ class GpuExecutor:
                             [item(511, 1) for _ in range(num_decode)])
         torch.cuda.synchronize(self.device)
 
-    def _graph_buckets(self) -> list:
-        top = min(self.max_num_seqs, GRAPH_BATCH_SIZES[-1])
-        buckets = [b for b in GRAPH_BATCH_SIZES if b < top]
-        return buckets + [top]
-
-    def _mixed_buckets(self) -> list:
-        top = min(self.max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
-        return [t for t in MIXED_TOKEN_SIZES if t < top] + [top]
-
-    def _mixed_caps(self, tokens: int) -> tuple:
-        """(decode rows, prefill sequences, sampled rows) a mixed step of `tokens` can hold: a
-        prefill chunk has >= 2 tokens (a 1-token chunk runs as a decode row)."""
-        cap = min(tokens, self.max_num_seqs)
-        return cap, max(1, min(tokens // 2, self.max_num_seqs)), cap
-
-    def _mixed_bucket(self, num_prefill_seqs: int, num_decodes: int, tokens: int):
-        """The captured token count a step fits, or None (then it runs eagerly)."""
-        if not self.static_inputs:
-            return None
-        for t in self._mixed_buckets():
-            if t >= tokens:
-                d_cap, p_cap, r_cap = self._mixed_caps(t)
-                if num_decodes <= d_cap and num_prefill_seqs <= p_cap and \
-                        num_decodes + num_prefill_seqs <= r_cap:
-                    return t
-                return None
-        return None
-
-    def _mixed_buffers(self) -> None:
-        """Static inputs of the mixed-step graphs, sized for the largest captured token count."""
-        dev = self.device
-        top = self._mixed_buckets()[-1]
-        d_cap, p_cap, r_cap = self._mixed_caps(top)
-        width = _cdiv(self.max_model_len, self.block_size)
-        pinned = dev.type == "cuda"
-        self.m_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
-        self.m_i64[2].fill_(-1)
-        self.m_rows = torch.zeros(r_cap, dtype=torch.int64, device=dev)
-        # int32: decode seq_lens [d_cap], prefill query_start_loc [p_cap + 1], seq_lens [p_cap]
-        self.m_i32 = torch.zeros(d_cap + 2 * p_cap + 1, dtype=torch.int32, device=dev)
-        self.m_dec_tables = torch.zeros((d_cap, width), dtype=torch.int32, device=dev)
-        self.m_pf_tables = torch.zeros((p_cap, width), dtype=torch.int32, device=dev)
-        self.m_tables_stage = torch.empty((d_cap + p_cap) * width, dtype=torch.int32, device=dev)
-        self.hm_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
-        self.hm_rows = torch.zeros(r_cap, dtype=torch.int64, pin_memory=pinned)
-        self.hm_i32 = torch.zeros(d_cap + 2 * p_cap + 1, dtype=torch.int32, pin_memory=pinned)
-        self.hm_tables = torch.zeros((d_cap + p_cap) * width, dtype=torch.int32,
-                                     pin_memory=pinned)
-        self.m_caps = (d_cap, p_cap, r_cap)
-
-    def _mixed_step(self, tokens: int):
-        """The mixed step of `tokens` rows over the static buffers: returns (logits, tokens)."""
-        d_cap, p_cap, r_cap = self._mixed_caps(tokens)
-        top_d = self.m_caps[0]
-        i32 = self.m_i32
-        meta = AttentionMetadata(
-            slot_mapping=self.m_i64[2, :tokens], num_prefill_tokens=0, fixed_shape=True,
-            decode_block_tables=self.m_dec_tables[:d_cap], decode_seq_lens=i32[:d_cap],
-            prefill_query_start_loc=i32[top_d:top_d + p_cap + 1],
-            prefill_seq_lens=i32[top_d + self.m_caps[1] + 1:top_d + self.m_caps[1] + 1 + p_cap],
-            prefill_block_tables=self.m_pf_tables[:p_cap], decode_workspace=self.g_workspace)
-
-        def step():
-            logits = self.model.forward(self.m_i64[0, :tokens], self.m_i64[1, :tokens], meta,
-                                        self.caches, self.m_rows[:r_cap])
-            return logits, logits.argmax(-1)
-        return step
-
-    def _graph_buffers(self) -> None:
-        """Static inputs of the decode graphs: fixed addresses, updated in place every step."""
-        dev = self.device
-        spec = self.spec
-        buckets = self._graph_buckets()
-        top = buckets[-1]
-        width = _cdiv(self.max_model_len, self.block_size)
-        pinned = dev.type == "cuda"
-        self.g_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
-        self.g_i64[2].fill_(-1)           # warm-up and capture write nothing into the cache
-        self.g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.g_tables = torch.zeros((top, width), dtype=torch.int32, device=dev)
-        self.g_tables_stage = torch.empty(top * width, dtype=torch.int32, device=dev)
-        self.h_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
-        self.h_seq_lens = torch.ones(top, dtype=torch.int32, pin_memory=pinned)
-        self.h_tables = torch.zeros(top * width, dtype=torch.int32, pin_memory=pinned)
-        self.g_workspace = None
-        if self.attention == "triton" and dev.type == "cuda":
-            from simkv.gpu import kernels
-            cfg = kernels.decode_config(self.block_size, spec.head_dim, self.dtype)
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            rows = set(buckets) | {self._mixed_caps(t)[0] for t in self._mixed_buckets()}
-            need = max(kernels.decode_workspace_numel(
-                b, spec.num_heads, spec.head_dim,
-                kernels.decode_num_splits(b, spec.num_kv_heads, width * self.block_size,
-                                          cfg.tile, sms)) for b in rows)
-            self.g_workspace = torch.empty(max(need, 1), dtype=torch.float32, device=dev)
-
-    def _graph_step(self, b: int):
-        """The decode step of batch `b` over the static buffers: returns (logits, tokens)."""
-        meta = AttentionMetadata(slot_mapping=self.g_i64[2, :b], num_prefill_tokens=0,
-                                 decode_block_tables=self.g_tables[:b],
-                                 decode_seq_lens=self.g_seq_lens[:b],
-                                 decode_workspace=self.g_workspace)
-
-        def step():
-            logits = self.model.forward(self.g_i64[0, :b], self.g_i64[1, :b], meta, self.caches)
-            return logits, logits.argmax(-1)
-        return step
-
-    def _capture_graphs(self) -> None:
-        dev = self.device
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: the others reuse its pool. Mixed steps first: they are the largest.
-        todo = [(self.mixed_graphs, t, self._mixed_step(t)) for t in
-                reversed(self._mixed_buckets())]
-        todo += [(self.graphs, b, self._graph_step(b)) for b in reversed(self._graph_buckets())]
-        for graphs, key, step in todo:
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):        # compiles every kernel this shape needs
-                    step()
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                logits, tokens = step()
-            graphs[key] = (graph, logits, tokens)
-        torch.cuda.synchronize(dev)
-
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan, kv=None) -> dict:
@@ -389,16 +254,19 @@ class GpuExecutor:
         if plan.scheduled:
             prefill = [it for it in plan.scheduled if it.num_tokens > 1]
             single = [it for it in plan.scheduled if it.num_tokens == 1]
-            num_tokens = len(single) + sum(it.num_tokens for it in prefill)
-            bucket = self._mixed_bucket(len(prefill), len(single), num_tokens) if prefill \
-                else None
-            if not prefill and self.static_inputs and len(single) <= self._graph_buckets()[-1]:
-                tokens, rows = self._run_graph(single), range(len(single))
-                ordered = single
+            steps = self.steps
+            bucket = None
+            if steps is not None and prefill:
+                num_tokens = len(single) + sum(it.num_tokens for it in prefill)
+                bucket = steps.mixed_bucket(len(prefill), len(single), num_tokens)
+            if not prefill and steps is not None and len(single) <= steps.decode_buckets()[-1]:
+                tokens, self.last_prep_s = steps.run_decode(single)
+                ordered, rows = single, range(len(single))
                 self.num_graph_steps += 1
             elif bucket is not None:
+                tokens, self.last_prep_s = steps.run_mixed(prefill, single, bucket)
                 ordered = single + prefill
-                tokens, rows = self._run_mixed(prefill, single, bucket), range(len(ordered))
+                rows = range(len(ordered))
                 self.num_mixed_graph_steps += 1
             else:
                 ordered = prefill + single
@@ -516,106 +384,6 @@ class GpuExecutor:
                                     check_finite=self.poison)
         self._check_logits(logits)
         return logits.argmax(-1).tolist(), range(len(rows))
-
-    def _run_graph(self, single: list) -> list:
-        t0 = time.perf_counter()
-        n = len(single)
-        b = next(b for b in self._graph_buckets() if b >= n)
-        bs = self.block_size
-        h = self.h_i64.numpy()
-        lens = self.h_seq_lens.numpy()
-        width = 1
-        table_rows = []
-        for j, it in enumerate(single):
-            seq = it.seq
-            p = it.start
-            table = seq.block_table
-            h[0, j] = seq.token_ids[p]
-            h[1, j] = p
-            h[2, j] = table[p // bs] * bs + p % bs
-            lens[j] = p + 1
-            row = table[:p // bs + 1]
-            table_rows.append(row)
-            width = max(width, len(row))
-        h[0, n:b] = 0
-        h[1, n:b] = 0
-        h[2, n:b] = -1                     # padding rows write nothing
-        lens[n:b] = 1
-        flat = self.h_tables.numpy()[:n * width].reshape(n, width)
-        for j, row in enumerate(table_rows):
-            flat[j, :len(row)] = row
-        self.g_i64.copy_(self.h_i64, non_blocking=True)
-        self.g_seq_lens.copy_(self.h_seq_lens, non_blocking=True)
-        stage = self.g_tables_stage[:n * width]
-        stage.copy_(self.h_tables[:n * width], non_blocking=True)
-        self.g_tables[:n, :width].copy_(stage.view(n, width))
-        self.last_prep_s = time.perf_counter() - t0
-        logits, tokens = self._replay(self.graphs, b, self._graph_step)
-        if self.poison:
-            self._check_logits(logits[:n])
-        return tokens[:n].tolist()
-
-    def _replay(self, graphs: dict, key: int, make_step):
-        """Replay the captured graph `key`, or (static inputs without graphs) run its step."""
-        if self.use_graphs:
-            graph, logits, tokens = graphs[key]
-            graph.replay()
-            return logits, tokens
-        return make_step(key)()
-
-    def _run_mixed(self, prefill: list, single: list, bucket: int) -> list:
-        """A step with prefill chunks in the fixed-shape layout: decode rows [0, D), the chunks'
-        tokens [D, D + P), padding up to `bucket`; returns the sampled tokens, decodes first."""
-        t0 = time.perf_counter()
-        ids, pos, slots, tables, seq_lens, q_lens = self._host_inputs(single + prefill)
-        n_dec, n_pf = len(single), len(prefill)
-        d_cap, p_cap, r_cap = self._mixed_caps(bucket)
-        top_d, top_p, _ = self.m_caps
-        ends = np.cumsum([0] + q_lens)
-        used = int(ends[-1])
-        h = self.hm_i64.numpy()
-        h[0, :used] = np.concatenate(ids)
-        h[1, :used] = np.concatenate(pos)
-        h[2, :used] = np.concatenate(slots)
-        h[0, used:bucket] = 0
-        h[1, used:bucket] = 0
-        h[2, used:bucket] = -1                   # padding rows write nothing
-        rows = self.hm_rows.numpy()
-        rows[:n_dec + n_pf] = ends[1:] - 1       # last token of every item
-        rows[n_dec + n_pf:r_cap] = 0
-        i32 = self.hm_i32.numpy()
-        i32[:n_dec] = seq_lens[:n_dec]
-        i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
-        qsl = i32[top_d:top_d + top_p + 1]
-        qsl[:n_pf + 1] = ends[n_dec:]
-        qsl[n_pf + 1:p_cap + 1] = used           # padding sequences: no new tokens
-        pf_lens = i32[top_d + top_p + 1:]
-        pf_lens[:n_pf] = seq_lens[n_dec:]
-        pf_lens[n_pf:p_cap] = 0
-        w_dec = max((len(t) for t in tables[:n_dec]), default=0)
-        w_pf = max(len(t) for t in tables[n_dec:])
-        flat = self.hm_tables.numpy()
-        dec_flat = flat[:n_dec * w_dec].reshape(n_dec, w_dec)
-        pf_flat = flat[n_dec * w_dec:n_dec * w_dec + n_pf * w_pf].reshape(n_pf, w_pf)
-        for j, t in enumerate(tables[:n_dec]):
-            dec_flat[j, :len(t)] = t
-        for j, t in enumerate(tables[n_dec:]):
-            pf_flat[j, :len(t)] = t
-        total = n_dec * w_dec + n_pf * w_pf
-        self.m_i64.copy_(self.hm_i64, non_blocking=True)
-        self.m_rows.copy_(self.hm_rows, non_blocking=True)
-        self.m_i32.copy_(self.hm_i32, non_blocking=True)
-        stage = self.m_tables_stage[:total]
-        stage.copy_(self.hm_tables[:total], non_blocking=True)
-        if n_dec:
-            self.m_dec_tables[:n_dec, :w_dec].copy_(stage[:n_dec * w_dec].view(n_dec, w_dec))
-        self.m_pf_tables[:n_pf, :w_pf].copy_(stage[n_dec * w_dec:].view(n_pf, w_pf))
-        self.last_prep_s = time.perf_counter() - t0
-        logits, tokens = self._replay(self.mixed_graphs, bucket, self._mixed_step)
-        n = n_dec + n_pf
-        if self.poison:
-            self._check_logits(logits[:n])
-        return tokens[:n].tolist()
 
     def _check_logits(self, logits: torch.Tensor) -> None:
         if self.poison and not bool(torch.isfinite(logits).all()):

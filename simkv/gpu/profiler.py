@@ -477,8 +477,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
                                seed=seed, max_num_seqs=MAX_NUM_SEQS,
                                max_num_batched_tokens=8192, profile_memory=False)
         dtype = executor.dtype
-        graph_sizes = executor._graph_buckets() if executor.use_graphs else []
-        mixed_sizes = executor._mixed_buckets() if executor.use_graphs else []
+        graph_sizes = executor.steps.decode_buckets() if executor.use_graphs else []
+        mixed_sizes = executor.steps.mixed_buckets() if executor.use_graphs else []
         if executor.attention == "triton":
             from simkv.gpu import kernels
             tile = kernels.decode_config(bs, model.head_dim, dtype).tile

@@ -1,0 +1,276 @@
+"""Fixed-shape steps over static input buffers, replayed as CUDA graphs (the executor's fast path).
+
+    steps = GraphSteps(executor)      # buffers for every captured size
+    steps.capture()                   # on CUDA: one graph per size, sharing one memory pool
+    tokens, prep_s = steps.run_decode(single)           # decode-only step
+    tokens, prep_s = steps.run_mixed(prefill, single, steps.mixed_bucket(...))
+
+Decode-only steps are captured at bucketed batch sizes (GRAPH_BATCH_SIZES up to max_num_seqs),
+steps with prefill chunks at bucketed token counts (MIXED_TOKEN_SIZES up to 1,024 and
+max_num_batched_tokens). A graph reads its inputs from buffers at fixed addresses, which every
+step updates in place; the padding of a bucket is inert (slot -1 writes nothing, a decode row of
+sequence length 0 and a prefill sequence with no new tokens are skipped by the kernels).
+
+The mixed layout puts the decode tokens first (rows [0, D)), then the chunks' tokens, then
+padding: the decode kernel covers rows [0, d_cap) and the prefill kernel every row by its
+`query_start_loc`, so one graph serves any split of its token count between decodes and chunks
+(`AttentionMetadata.fixed_shape`). Without graphs (`use_graphs` off: CPU tests) the same step
+functions run directly over the same buffers.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from simkv.gpu.launch_policy import GRAPH_BATCH_SIZES, MIXED_TOKEN_SIZES
+from simkv.gpu.model import AttentionMetadata
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GraphSteps:
+    """The static buffers, step functions and captured graphs of one GpuExecutor."""
+
+    def __init__(self, executor):
+        self.ex = executor
+        self.use_graphs = executor.use_graphs
+        self.decode_graphs: dict = {}      # batch size -> (graph, logits, tokens)
+        self.mixed_graphs: dict = {}       # token count -> (graph, logits, tokens)
+        self.width = _cdiv(executor.max_model_len, executor.block_size)   # table columns
+        self._decode_buffers()
+        self._mixed_buffers()
+
+    # -- sizes --------------------------------------------------------------------------------
+    def decode_buckets(self) -> list:
+        top = min(self.ex.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        return [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
+
+    def mixed_buckets(self) -> list:
+        top = min(self.ex.max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
+        return [t for t in MIXED_TOKEN_SIZES if t < top] + [top]
+
+    def mixed_caps(self, tokens: int) -> tuple:
+        """(decode rows, prefill sequences, sampled rows) a mixed step of `tokens` can hold: a
+        prefill chunk has >= 2 tokens (a 1-token chunk runs as a decode row)."""
+        cap = min(tokens, self.ex.max_num_seqs)
+        return cap, max(1, min(tokens // 2, self.ex.max_num_seqs)), cap
+
+    def mixed_bucket(self, num_prefill_seqs: int, num_decodes: int, tokens: int):
+        """The captured token count a step with chunks fits, or None (then it runs eagerly)."""
+        for t in self.mixed_buckets():
+            if t >= tokens:
+                d_cap, p_cap, r_cap = self.mixed_caps(t)
+                if num_decodes <= d_cap and num_prefill_seqs <= p_cap and \
+                        num_decodes + num_prefill_seqs <= r_cap:
+                    return t
+                return None
+        return None
+
+    # -- buffers and step functions -----------------------------------------------------------
+    def _decode_buffers(self) -> None:
+        """Static inputs of the decode graphs, and the split-K workspace every graph shares."""
+        ex = self.ex
+        dev, spec, width = ex.device, ex.spec, self.width
+        top = self.decode_buckets()[-1]
+        pinned = dev.type == "cuda"
+        self.g_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
+        self.g_i64[2].fill_(-1)           # warm-up and capture write nothing into the cache
+        self.g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.g_tables = torch.zeros((top, width), dtype=torch.int32, device=dev)
+        self.g_tables_stage = torch.empty(top * width, dtype=torch.int32, device=dev)
+        self.h_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
+        self.h_seq_lens = torch.ones(top, dtype=torch.int32, pin_memory=pinned)
+        self.h_tables = torch.zeros(top * width, dtype=torch.int32, pin_memory=pinned)
+        self.workspace = None
+        if ex.attention == "triton" and dev.type == "cuda":
+            from simkv.gpu import kernels
+            cfg = kernels.decode_config(ex.block_size, spec.head_dim, ex.dtype)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            rows = set(self.decode_buckets()) | {self.mixed_caps(t)[0]
+                                                 for t in self.mixed_buckets()}
+            need = max(kernels.decode_workspace_numel(
+                b, spec.num_heads, spec.head_dim,
+                kernels.decode_num_splits(b, spec.num_kv_heads, width * ex.block_size,
+                                          cfg.tile, sms)) for b in rows)
+            self.workspace = torch.empty(max(need, 1), dtype=torch.float32, device=dev)
+
+    def _mixed_buffers(self) -> None:
+        """Static inputs of the mixed-step graphs, sized for the largest captured token count."""
+        dev, width = self.ex.device, self.width
+        top = self.mixed_buckets()[-1]
+        d_cap, p_cap, r_cap = self.mixed_caps(top)
+        pinned = dev.type == "cuda"
+        self.m_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
+        self.m_i64[2].fill_(-1)
+        self.m_rows = torch.zeros(r_cap, dtype=torch.int64, device=dev)
+        # int32: decode seq_lens [d_cap], prefill query_start_loc [p_cap + 1], seq_lens [p_cap]
+        self.m_i32 = torch.zeros(d_cap + 2 * p_cap + 1, dtype=torch.int32, device=dev)
+        self.m_dec_tables = torch.zeros((d_cap, width), dtype=torch.int32, device=dev)
+        self.m_pf_tables = torch.zeros((p_cap, width), dtype=torch.int32, device=dev)
+        self.m_tables_stage = torch.empty((d_cap + p_cap) * width, dtype=torch.int32, device=dev)
+        self.hm_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
+        self.hm_rows = torch.zeros(r_cap, dtype=torch.int64, pin_memory=pinned)
+        self.hm_i32 = torch.zeros(d_cap + 2 * p_cap + 1, dtype=torch.int32, pin_memory=pinned)
+        self.hm_tables = torch.zeros((d_cap + p_cap) * width, dtype=torch.int32,
+                                     pin_memory=pinned)
+        self.m_caps = (d_cap, p_cap, r_cap)
+
+    def decode_step(self, b: int):
+        """The decode step of batch `b` over the static buffers: returns (logits, tokens)."""
+        meta = AttentionMetadata(slot_mapping=self.g_i64[2, :b], num_prefill_tokens=0,
+                                 decode_block_tables=self.g_tables[:b],
+                                 decode_seq_lens=self.g_seq_lens[:b],
+                                 decode_workspace=self.workspace)
+        ex = self.ex
+
+        def step():
+            logits = ex.model.forward(self.g_i64[0, :b], self.g_i64[1, :b], meta, ex.caches)
+            return logits, logits.argmax(-1)
+        return step
+
+    def mixed_step(self, tokens: int):
+        """The mixed step of `tokens` rows over the static buffers: returns (logits, tokens)."""
+        d_cap, p_cap, r_cap = self.mixed_caps(tokens)
+        top_d, top_p, _ = self.m_caps
+        i32 = self.m_i32
+        meta = AttentionMetadata(
+            slot_mapping=self.m_i64[2, :tokens], num_prefill_tokens=0, fixed_shape=True,
+            decode_block_tables=self.m_dec_tables[:d_cap], decode_seq_lens=i32[:d_cap],
+            prefill_query_start_loc=i32[top_d:top_d + p_cap + 1],
+            prefill_seq_lens=i32[top_d + top_p + 1:top_d + top_p + 1 + p_cap],
+            prefill_block_tables=self.m_pf_tables[:p_cap], decode_workspace=self.workspace)
+        ex = self.ex
+
+        def step():
+            logits = ex.model.forward(self.m_i64[0, :tokens], self.m_i64[1, :tokens], meta,
+                                      ex.caches, self.m_rows[:r_cap])
+            return logits, logits.argmax(-1)
+        return step
+
+    def capture(self) -> None:
+        """Capture every size as a CUDA graph, largest first so that the others reuse its
+        memory pool (the mixed steps are the largest)."""
+        dev = self.ex.device
+        pool = torch.cuda.graph_pool_handle()
+        todo = [(self.mixed_graphs, t, self.mixed_step(t)) for t in reversed(self.mixed_buckets())]
+        todo += [(self.decode_graphs, b, self.decode_step(b))
+                 for b in reversed(self.decode_buckets())]
+        for graphs, key, step in todo:
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):        # compiles every kernel this shape needs
+                    step()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                logits, tokens = step()
+            graphs[key] = (graph, logits, tokens)
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, graphs: dict, key: int, make_step):
+        """Replay the captured graph `key`, or (static inputs without graphs) run its step."""
+        if self.use_graphs:
+            graph, logits, tokens = graphs[key]
+            graph.replay()
+            return logits, tokens
+        return make_step(key)()
+
+    # -- running a step -----------------------------------------------------------------------
+    def run_decode(self, single: list) -> tuple:
+        """A decode-only step: (sampled tokens in the order of `single`, host prep seconds)."""
+        t0 = time.perf_counter()
+        n = len(single)
+        b = next(b for b in self.decode_buckets() if b >= n)
+        bs = self.ex.block_size
+        h = self.h_i64.numpy()
+        lens = self.h_seq_lens.numpy()
+        width = 1
+        table_rows = []
+        for j, it in enumerate(single):
+            seq = it.seq
+            p = it.start
+            table = seq.block_table
+            h[0, j] = seq.token_ids[p]
+            h[1, j] = p
+            h[2, j] = table[p // bs] * bs + p % bs
+            lens[j] = p + 1
+            row = table[:p // bs + 1]
+            table_rows.append(row)
+            width = max(width, len(row))
+        h[0, n:b] = 0
+        h[1, n:b] = 0
+        h[2, n:b] = -1                     # padding rows write nothing
+        lens[n:b] = 1
+        flat = self.h_tables.numpy()[:n * width].reshape(n, width)
+        for j, row in enumerate(table_rows):
+            flat[j, :len(row)] = row
+        self.g_i64.copy_(self.h_i64, non_blocking=True)
+        self.g_seq_lens.copy_(self.h_seq_lens, non_blocking=True)
+        stage = self.g_tables_stage[:n * width]
+        stage.copy_(self.h_tables[:n * width], non_blocking=True)
+        self.g_tables[:n, :width].copy_(stage.view(n, width))
+        prep_s = time.perf_counter() - t0
+        logits, tokens = self._replay(self.decode_graphs, b, self.decode_step)
+        if self.ex.poison:
+            self.ex._check_logits(logits[:n])
+        return tokens[:n].tolist(), prep_s
+
+    def run_mixed(self, prefill: list, single: list, bucket: int) -> tuple:
+        """A step with prefill chunks in the fixed-shape layout: decode rows [0, D), the chunks'
+        tokens [D, D + P), padding up to `bucket`. Returns (sampled tokens, decodes first, then
+        the chunks; host prep seconds)."""
+        t0 = time.perf_counter()
+        ids, pos, slots, tables, seq_lens, q_lens = self.ex._host_inputs(single + prefill)
+        n_dec, n_pf = len(single), len(prefill)
+        d_cap, p_cap, r_cap = self.mixed_caps(bucket)
+        top_d, top_p, _ = self.m_caps
+        ends = np.cumsum([0] + q_lens)
+        used = int(ends[-1])
+        h = self.hm_i64.numpy()
+        h[0, :used] = np.concatenate(ids)
+        h[1, :used] = np.concatenate(pos)
+        h[2, :used] = np.concatenate(slots)
+        h[0, used:bucket] = 0
+        h[1, used:bucket] = 0
+        h[2, used:bucket] = -1                   # padding rows write nothing
+        rows = self.hm_rows.numpy()
+        rows[:n_dec + n_pf] = ends[1:] - 1       # last token of every item
+        rows[n_dec + n_pf:r_cap] = 0
+        i32 = self.hm_i32.numpy()
+        i32[:n_dec] = seq_lens[:n_dec]
+        i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
+        qsl = i32[top_d:top_d + top_p + 1]
+        qsl[:n_pf + 1] = ends[n_dec:]
+        qsl[n_pf + 1:p_cap + 1] = used           # padding sequences: no new tokens
+        pf_lens = i32[top_d + top_p + 1:]
+        pf_lens[:n_pf] = seq_lens[n_dec:]
+        pf_lens[n_pf:p_cap] = 0
+        w_dec = max((len(t) for t in tables[:n_dec]), default=0)
+        w_pf = max(len(t) for t in tables[n_dec:])
+        flat = self.hm_tables.numpy()
+        dec_flat = flat[:n_dec * w_dec].reshape(n_dec, w_dec)
+        pf_flat = flat[n_dec * w_dec:n_dec * w_dec + n_pf * w_pf].reshape(n_pf, w_pf)
+        for j, t in enumerate(tables[:n_dec]):
+            dec_flat[j, :len(t)] = t
+        for j, t in enumerate(tables[n_dec:]):
+            pf_flat[j, :len(t)] = t
+        total = n_dec * w_dec + n_pf * w_pf
+        self.m_i64.copy_(self.hm_i64, non_blocking=True)
+        self.m_rows.copy_(self.hm_rows, non_blocking=True)
+        self.m_i32.copy_(self.hm_i32, non_blocking=True)
+        stage = self.m_tables_stage[:total]
+        stage.copy_(self.hm_tables[:total], non_blocking=True)
+        if n_dec:
+            self.m_dec_tables[:n_dec, :w_dec].copy_(stage[:n_dec * w_dec].view(n_dec, w_dec))
+        self.m_pf_tables[:n_pf, :w_pf].copy_(stage[n_dec * w_dec:].view(n_pf, w_pf))
+        prep_s = time.perf_counter() - t0
+        logits, tokens = self._replay(self.mixed_graphs, bucket, self.mixed_step)
+        n = n_dec + n_pf
+        if self.ex.poison:
+            self.ex._check_logits(logits[:n])
+        return tokens[:n].tolist(), prep_s
