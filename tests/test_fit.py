@@ -13,6 +13,7 @@ import pytest
 
 from simkv.costmodel import calibrate as C
 from simkv.costmodel import fit as F
+from simkv.costmodel import step_formula as SF
 from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
 from simkv.core.specs import load_gpu, load_model, profiles_dir
 from simkv.errors import InputError
@@ -20,7 +21,7 @@ from simkv.gpu.profiler import design, features
 
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # token knots up to the design's largest step, as the fit derives them
-KNOTS = F.token_knots_for(max(sum(n for _, n, _ in p.items) for p in design()))
+KNOTS = SF.token_knots_for(max(sum(n for _, n, _ in p.items) for p in design()))
 
 
 def known_coefs(bs: int) -> dict:
@@ -37,14 +38,14 @@ def known_coefs(bs: int) -> dict:
 def synthetic_profile(tmp_path: Path, block_sizes=(16, 64), noise=0.0, seed=0) -> Path:
     """A profile directory whose step times follow known_coefs (times noise, if any)."""
     rng = np.random.default_rng(seed)
-    layout = F.StepLayout(tuple(KNOTS), tuple(GRAPH_SIZES))
+    layout = SF.StepLayout(tuple(KNOTS), tuple(GRAPH_SIZES))
     rows = []
     for bs in block_sizes:
         coefs = known_coefs(bs)
         for point in design():
             f = features(point.items)
             f["graph"] = int(f["num_prefill_tokens"] == 0)
-            t = F.predict_step(coefs, f, layout, bs) * (1 + noise * rng.standard_normal())
+            t = SF.predict_step(coefs, f, layout, bs) * (1 + noise * rng.standard_normal())
             rows.append({"id": point.id, "family": point.family, "block_size": bs, **f,
                          "time_s": float(f"{t:.6g}")})
     out = tmp_path / "h200" / "llama-3.1-8b"
@@ -75,10 +76,10 @@ def test_nnls_keeps_coefficients_non_negative_and_matches_lstsq_when_unconstrain
 
 
 def test_hats_interpolate_between_knots_and_extend_the_last_segment():
-    assert F.hats(1, [1, 8, 32]) == [1.0, 0.0, 0.0]
-    assert F.hats(20, [1, 8, 32]) == [0.0, 0.5, 0.5]
-    assert F.hats(56, [1, 8, 32]) == [0.0, -1.0, 2.0]
-    assert F.hats(56, [1, 8, 32], extrapolate=False) == [0.0, 0.0, 1.0]
+    assert SF.hats(1, [1, 8, 32]) == [1.0, 0.0, 0.0]
+    assert SF.hats(20, [1, 8, 32]) == [0.0, 0.5, 0.5]
+    assert SF.hats(56, [1, 8, 32]) == [0.0, -1.0, 2.0]
+    assert SF.hats(56, [1, 8, 32], extrapolate=False) == [0.0, 0.0, 1.0]
 
 
 def test_fit_recovers_the_coefficients_that_generated_the_data(tmp_path):
@@ -106,11 +107,11 @@ def test_small_eager_steps_wait_on_the_host_floor(tmp_path):
     small = dict(num_prefill_tokens=16, num_decode_tokens=0, num_prefill_seqs=1,
                  num_decode_seqs=0, decode_context_tokens=0, prefill_context_tokens=16,
                  prefill_attention_pairs=136, decode_max_context=0, graph=0)
-    layout = F.StepLayout(tuple(fit["token_knots"]), tuple(GRAPH_SIZES))
-    assert F.predict_step(c, small, layout, 16) == pytest.approx(7.02e-3)
+    layout = SF.StepLayout(tuple(fit["token_knots"]), tuple(GRAPH_SIZES))
+    assert SF.predict_step(c, small, layout, 16) == pytest.approx(7.02e-3)
     big = dict(small, num_prefill_tokens=4096, prefill_context_tokens=4096,
                prefill_attention_pairs=4096 * 4097 // 2)
-    assert F.predict_step(c, big, layout, 16) > 0.05
+    assert SF.predict_step(c, big, layout, 16) > 0.05
 
 
 def test_fit_with_measurement_noise_keeps_holdout_error_near_the_noise(tmp_path):
@@ -196,7 +197,7 @@ def test_extended_roofline_calibration_fits_per_layer_eager_overhead(tmp_path):
 
 
 def test_longest_decode_program_follows_the_kernels_split_rule():
-    layout = F.StepLayout((1, 8), (1, 2, 4, 8, 16, 32), sm_count=132, num_kv_heads=8,
+    layout = SF.StepLayout((1, 8), (1, 2, 4, 8, 16, 32), sm_count=132, num_kv_heads=8,
                           decode_tile=64, max_model_len=131072,
                           mixed_token_sizes=(16, 32, 64, 128), max_num_seqs=256)
     # graphed, 32 decodes: 256 programs < 2 per SM -> ceil(2 * 132 / 256) = 2 splits;

@@ -194,22 +194,22 @@ def test_the_committed_8b_profile_predicts_its_measured_decode_step():
 
 
 def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_composition():
-    from simkv.costmodel import fit as F
+    from simkv.costmodel import step_formula as SF
     from simkv.gpu.profiler import design, features
     path = find_profile("h200", "llama-3.1-8b")
     if path is None:
         pytest.skip("no committed llama-3.1-8b profile")
     fit = json.loads(path.read_text())
-    layout = F.StepLayout(tuple(fit["token_knots"]), tuple(fit["graph_batch_sizes"]),
+    layout = SF.StepLayout(tuple(fit["token_knots"]), tuple(fit["graph_batch_sizes"]),
                           **{k: v for k, v in fit["layout"].items()
                              if k not in ("token_knots", "graph_batch_sizes")})
     m = ProfiledCostModel.load(path, block_size=32)
     for point in design():
         f = features(point.items)
         f["graph"] = int(layout.is_graphed(f["num_prefill_tokens"], f["num_decode_seqs"]))
-        expected = F.predict_step(fit["step"]["32"], f, layout, 32)
+        expected = SF.predict_step(fit["step"]["32"], f, layout, 32)
         plan = plan_of(point.items)
-        expected += F.engine_host_seconds(fit.get("engine_host"), len(plan.scheduled),
+        expected += SF.engine_host_seconds(fit.get("engine_host"), len(plan.scheduled),
                                           plan.num_prefill_tokens)
         assert m.predict(plan) == pytest.approx(expected, rel=1e-9), point.id
 

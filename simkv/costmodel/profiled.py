@@ -13,8 +13,9 @@ import math
 from pathlib import Path
 
 from simkv.core.specs import KV_DTYPE_BYTES, profiles_dir
-from simkv.costmodel.fit import (FIT_FORMAT, LOG_BATCH_KNOTS, StepLayout,
-                                 engine_host_seconds, hats, transfer_seconds)
+from simkv.costmodel.fit import FIT_FORMAT
+from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
+                                          hats, transfer_seconds)
 from simkv.errors import InputError
 
 STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",

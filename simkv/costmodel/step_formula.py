@@ -1,0 +1,196 @@
+"""The profiled step-cost formula: a step's features and fitted coefficients -> seconds.
+
+Shared by the fit (`simkv.costmodel.fit`, which fills in the coefficients from a profile's raw
+CSVs) and the cost model the simulator runs (`simkv.costmodel.profiled`). The formula itself is
+written out in `simkv.costmodel.fit`'s docstring; `StepLayout` says how the engine lays a step
+out beyond the plan's features (CUDA-graph sizes, the decode kernel's split rule).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+from simkv.errors import InputError
+from simkv.gpu.launch_policy import decode_num_splits
+
+TOKEN_KNOTS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BATCH_KNOTS = (1, 16, 256)
+LOG_BATCH_KNOTS = tuple(math.log2(k) for k in BATCH_KNOTS)
+FORMS = {   # name -> decode attention's per-token cost interpolated between batch knots
+    "base": False,
+    "batch": True,
+}
+
+
+def hats(value: float, knots, extrapolate: bool = True) -> list:
+    """Linear-interpolation weights of `value` on increasing `knots`.
+
+    Below the first knot the first knot's value holds; above the last one the last segment is
+    extended (or the last value holds, with `extrapolate=False`).
+    """
+    k = len(knots)
+    w = [0.0] * k
+    if k == 1 or value <= knots[0]:
+        w[0] = 1.0
+        return w
+    if value >= knots[-1] and not extrapolate:
+        w[-1] = 1.0
+        return w
+    i = 1
+    while i < k - 1 and value > knots[i]:
+        i += 1
+    f = (value - knots[i - 1]) / (knots[i] - knots[i - 1])
+    w[i - 1] = 1.0 - f
+    w[i] = f
+    return w
+
+
+def token_knots_for(max_tokens: int) -> list:
+    """TOKEN_KNOTS up to the first one at or above `max_tokens`."""
+    knots = []
+    for k in TOKEN_KNOTS:
+        knots.append(k)
+        if k >= max_tokens:
+            break
+    return knots
+
+
+_num_splits = functools.lru_cache(maxsize=4096)(decode_num_splits)   # called every step
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
+    captured CUDA-graph sizes (decode-only steps by batch, steps with prefill chunks by token
+    count), and the decode kernel's split rule (`simkv.gpu.launch_policy`: it splits each
+    sequence's context over programs so that small batches fill the GPU; the longest program
+    bounds the kernel when one sequence is much longer than the rest)."""
+
+    token_knots: tuple
+    graph_batch_sizes: tuple = ()
+    sm_count: int = 0            # 0: unknown; the longest program is the longest sequence
+    num_kv_heads: int = 1
+    decode_tile: int = 64        # tokens per decode-kernel loop iteration
+    max_model_len: int = 0       # graphed block tables are this wide
+    mixed_token_sizes: tuple = ()  # token counts of the captured mixed steps (none: eager)
+    max_num_seqs: int = 256      # a mixed graph of T tokens has min(T, max_num_seqs) decode rows
+
+    def mixed_size(self, num_tokens: int) -> int:
+        """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
+        for size in self.mixed_token_sizes:
+            if size >= num_tokens:
+                return size
+        return 0
+
+    def is_graphed(self, num_prefill_tokens: int, num_decode_seqs: int) -> bool:
+        """Whether the engine runs such a step as a CUDA graph."""
+        if num_prefill_tokens:
+            return bool(self.mixed_size(num_prefill_tokens + num_decode_seqs))
+        return bool(self.graph_batch_sizes) and num_decode_seqs <= self.graph_batch_sizes[-1]
+
+    def rows(self, num_tokens: int, graph: bool, mixed: bool = False) -> int:
+        """Rows the linear layers compute: a graphed step is padded to its captured size."""
+        if graph and mixed:
+            return self.mixed_size(num_tokens) or num_tokens
+        if graph:
+            for size in self.graph_batch_sizes:
+                if size >= num_tokens:
+                    return size
+        return num_tokens
+
+    def longest_program_tokens(self, num_decode_seqs: int, max_context: int, graph: bool,
+                               block_size: int, mixed_tokens: int = 0) -> int:
+        """Context tokens the decode kernel's busiest program reads (0 without decodes).
+        `mixed_tokens`: the step's tokens when it also has prefill chunks."""
+        if not num_decode_seqs:
+            return 0
+        tile = self.decode_tile
+        if not self.sm_count:
+            return max_context
+        if graph and mixed_tokens:
+            batch = min(self.rows(mixed_tokens, True, True), self.max_num_seqs)
+            width = -(-self.max_model_len // block_size) * block_size
+        elif graph:
+            batch = self.rows(num_decode_seqs, True)
+            width = -(-self.max_model_len // block_size) * block_size
+        else:       # eager tables are padded to a multiple of 16 blocks
+            batch = num_decode_seqs
+            width = -(-max_context // (16 * block_size)) * 16 * block_size
+        splits = _num_splits(batch, self.num_kv_heads, width, tile, self.sm_count)
+        tiles = -(-max_context // tile)
+        return -(-tiles // splits) * tile
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
+    """The StepLayout of a profile (meta.json), with documented defaults for older profiles."""
+    shape = meta.get("model_shape") or {}
+    head_dim = int(shape.get("head_dim", 128))
+    tile = meta.get("decode_tile") or (64 if head_dim <= 128 and meta.get("dtype", "bfloat16")
+                                       in ("bfloat16", "float16") else 32)
+    max_len = meta.get("max_model_len")
+    if not max_len and meta.get("model"):
+        try:
+            from simkv.core.specs import load_model
+            max_len = load_model(meta["model"]).max_position_embeddings
+        except InputError:
+            max_len = 0
+    return StepLayout(token_knots=tuple(token_knots_for(max_tokens)),
+                      graph_batch_sizes=tuple(sorted(int(b) for b in
+                                                     meta.get("graph_batch_sizes") or [])),
+                      sm_count=int(meta.get("sm_count") or 0),
+                      num_kv_heads=int(shape.get("num_kv_heads", 1)),
+                      decode_tile=int(tile), max_model_len=int(max_len or 0),
+                      mixed_token_sizes=tuple(sorted(int(t) for t in
+                                                     meta.get("mixed_token_sizes") or [])),
+                      max_num_seqs=int(meta.get("max_num_seqs") or 256))
+
+
+def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
+    """Seconds of one forward step from packed coefficients (see the module docstring)."""
+    n = f["num_prefill_tokens"] + f["num_decode_tokens"]
+    if n == 0:
+        return 0.0
+    graph = bool(f["graph"])
+    mixed = n if f["num_prefill_tokens"] else 0
+    b = f["num_decode_seqs"]
+    seqs = b + f["num_prefill_seqs"]
+    seconds = sum(w * v for w, v in zip(hats(layout.rows(n, graph, bool(mixed)),
+                                             layout.token_knots),
+                                        coefs["t_linear_s"]))
+    a_dec = coefs["a_decode_s_per_token"]
+    if len(a_dec) == 1:
+        seconds += a_dec[0] * f["decode_context_tokens"]
+    elif b:
+        w = hats(math.log2(b), LOG_BATCH_KNOTS, False)
+        seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * f["decode_context_tokens"]
+    seconds += coefs.get("a_decode_longest_s_per_token", 0.0) * \
+        layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size, mixed)
+    seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
+    seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
+    seconds += coefs["c_seq_s"] * seqs
+    if graph and mixed:
+        seconds += coefs.get("c_mixed_seq_s", 0.0) * b + coefs.get("c_mixed_s", 0.0)
+    if mixed:
+        seconds += coefs.get("c_prefill_row_s", 0.0) * layout.rows(n, graph, True)
+    if graph:
+        return seconds
+    seconds += coefs["c_eager_s"]
+    return max(seconds, coefs["host_floor_s"] + coefs["host_floor_s_per_seq"] * seqs)
+
+
+def transfer_seconds(coefs: dict, num_blocks: int, bytes_per_block: float) -> float:
+    if num_blocks == 0:
+        return 0.0
+    return coefs["c0_s"] + coefs["c_block_s"] * num_blocks \
+        + coefs["c_byte_s"] * num_blocks * bytes_per_block
+
+
+def engine_host_seconds(coefs: dict | None, num_seqs: int, num_prefill_tokens: int) -> float:
+    if not coefs:
+        return 0.0
+    return coefs["c0_s"] + coefs["c_seq_s"] * num_seqs \
+        + coefs["c_prefill_token_s"] * num_prefill_tokens
