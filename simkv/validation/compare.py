@@ -1,0 +1,135 @@
+"""CPU side of the validation: the simulator (profiled cost model) serves the requests the
+engine served; errors against the measurement, sizing, diagnostics and plots, written as JSON.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from simkv.errors import InputError
+from simkv.validation.data import RUNS, read_run, requests_fingerprint, write_json
+from simkv.validation.diagnostics import step_diagnostics
+from simkv.validation.metrics import ERROR_KEYS, check_bounds, lookup, relative_error
+from simkv.validation.plots import write_plots
+
+
+def _scenario(scenario):
+    if isinstance(scenario, (str, Path)):
+        from simkv.core.config import load_scenario
+        return load_scenario(scenario)
+    return scenario
+
+
+def ledger_num_blocks(ledger: dict, scenario, bytes_per_block: int) -> int | None:
+    """Blocks the engine's measured memory leaves for KV at the scenario's budget: (budget -
+    the device's peak use outside the KV pool) // bytes per block, the budget taken on the
+    device's own total as vLLM does. None without a device ledger."""
+    total, peak = ledger.get("device_memory_bytes"), ledger.get("device_used_peak_bytes")
+    pool = ledger.get("kv_pool_bytes")
+    if not total or not peak or pool is None:
+        return None
+    cache = scenario.cache
+    budget = (cache.memory_budget_gib * (1 << 30) if cache.memory_budget_gib
+              else cache.gpu_memory_utilization * total)
+    return int((budget - (peak - pool)) // bytes_per_block)
+
+
+def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
+                       diagnostics: bool = True) -> dict:
+    """Simulate the measured requests with the scenario's cost model and compare (CPU side).
+
+    Writes `out` (default `profiles/<gpu>/<model>/validation/<name>.json`) with `model`, `gpu`,
+    `load`, `measured` and `simulated` summaries, `error` per ERROR_KEYS, the saturated runs'
+    comparison, sizing, per-step diagnostics and the issue's bounds; with `plots`, PNGs beside
+    it: `<name>-ttft-cdf.png`, `<name>-tpot-cdf.png`, `<name>-e2e-scatter.png`. Returns the
+    JSON's dict. Raises InputError when the requests differ from those measured.
+    """
+    from simkv.core.specs import profiles_dir
+    from simkv.core.traces import load_trace
+    from simkv.sim.engine import simulate
+    from simkv.sim.setup import build_cost_model, build_scheduler, load_requests_frame
+    measured_dir = Path(measured_dir)
+    if not (measured_dir / "meta.json").is_file():
+        raise InputError(f"{measured_dir}: no meta.json (a folder written by the measuring half: "
+                         "simkv validate SCENARIO --device cuda)")
+    meta = json.loads((measured_dir / "meta.json").read_text())
+    scn = _scenario(scenario)
+    window = measured_dir / "trace.csv"
+    frame = (load_trace(window, format="csv") if window.is_file()
+             else load_requests_frame(scn))
+    if requests_fingerprint(frame) != meta["requests_sha256"]:
+        raise InputError(f"{measured_dir}: the scenario's requests ({len(frame)}) differ from "
+                         f"those measured ({meta['requests']}); check workload.trace, limit and "
+                         "time_scale")
+    runs = {run: read_run(measured_dir / run) for run in RUNS}
+    measured = runs["realtime"]["summary"]
+    _, sizing = build_scheduler(scn)
+    # The simulator serves the pool the engine served: `num_blocks` (below) checks the sizing
+    # on its own, and a profile re-measured since the run must not change the pool compared.
+    served_blocks = int(measured.get("num_blocks") or 0)
+    if served_blocks and served_blocks != sizing.num_blocks \
+            and scn.cache.num_gpu_blocks_override is None:
+        from simkv.core.config import with_overrides
+        scn = with_overrides(scn, {"cache.num_gpu_blocks_override": served_blocks})
+    cost_model = build_cost_model(scn)
+    sim = simulate(scn, trace_df=frame, cost_model=cost_model)
+    simulated = dict(sim.summary)
+    at_zero = frame.copy()
+    at_zero["arrival_s"] = 0.0
+    sim_sat = simulate(scn, trace_df=at_zero, cost_model=cost_model).summary
+
+    sat_rps = runs["saturated"]["summary"]["throughput_requests_per_s"]
+    span = meta["arrival_span_s"]
+    offered = len(frame) / span if span > 0 else None
+    ledger_blocks = ledger_num_blocks(runs["realtime"]["ledger"], scn, sizing.bytes_per_block)
+    engine_blocks = ledger_blocks if ledger_blocks is not None else measured["num_blocks"]
+    error = {}
+    for key in ERROR_KEYS:
+        if key == "num_blocks":
+            error[key] = relative_error(sizing.num_blocks, engine_blocks)
+        else:
+            error[key] = relative_error(lookup(simulated, key), lookup(measured, key))
+    load = offered / sat_rps if offered and sat_rps else None
+    result = {
+        "name": scn.name,
+        "model": scn.model.name,
+        "gpu": scn.gpu.name,
+        "scenario": meta.get("scenario_path"),
+        "measured_dir": str(measured_dir),
+        "cost_model": cost_model.name,
+        "requests": len(frame),
+        "load": load,
+        "offered_rate_rps": offered,
+        "saturated_throughput_rps": sat_rps,
+        "error": error,
+        "bounds": check_bounds(error, load),
+        "measured": measured,
+        "simulated": simulated,
+        "saturated": {
+            "measured": runs["saturated"]["summary"], "simulated": sim_sat,
+            "error": {k: relative_error(lookup(sim_sat, k), lookup(runs["saturated"]["summary"], k))
+                      for k in ("throughput_requests_per_s", "throughput_output_tokens_per_s",
+                                "sim_duration_s", "tpot_s.mean", "running_peak")}},
+        "sizing": {"simkv_size_num_blocks": sizing.num_blocks,
+                   "engine_allocated_num_blocks": measured["num_blocks"],
+                   "engine_ledger_num_blocks": ledger_blocks,
+                   "note": "num_blocks error: simkv size against the blocks the engine's measured "
+                           "peak memory leaves at the same budget (the allocated pool when the "
+                           "run has no device ledger); the engine allocates what simkv size says"},
+        "measurement": {k: meta.get(k) for k in ("device", "engine", "setup", "saturated",
+                                                 "realtime", "requests_sha256")},
+    }
+    if diagnostics:
+        result["steps"] = {run: step_diagnostics(scn, frame if run == "realtime" else at_zero,
+                                                 runs[run], cost_model)
+                           for run in RUNS}
+        # the engine's time outside the executor, as the profile's engine pass measured it
+        result["steps"]["profile_engine_host"] = getattr(cost_model, "engine_host", None)
+    out = Path(out) if out is not None else (profiles_dir() / scn.gpu.name / scn.model.name
+                                             / "validation" / f"{scn.name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if plots:
+        result["plots"] = [p.name for p in write_plots(runs["realtime"]["requests"],
+                                                       sim.requests, out.parent, out.stem)]
+    write_json(out, result)
+    return result

@@ -1,0 +1,113 @@
+"""Per-step diagnostics of a validation: the cost model's error on the engine's own plans.
+
+The simulator replays the engine's step times (`_PlanReplay`) so both keep the same schedule;
+each matched step's prediction is set against the step's duration and the executor span the
+profile measured, and the host time outside that span is fitted per sequence and token.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from simkv.validation.metrics import ERROR_KEYS, lookup, relative_error
+
+LARGE_BATCH = 128           # decode batches above this are reported apart in the step diagnostic
+
+
+class _PlanReplay:
+    """Cost model for the diagnostic: while the simulator's plans match the engine's steps
+    (same index, same prefill and decode tokens) it advances the clock to the engine's next step
+    start (or by the step's duration before an idle gap), so arrivals meet the same steps and
+    both runs keep the same schedule; it records what the model predicted for each such plan."""
+
+    IDLE_GAP_S = 1e-3        # a longer gap between two engine steps was a wait for arrivals
+
+    def __init__(self, inner, steps: pd.DataFrame):
+        self.inner, self.name = inner, inner.name
+        self.tokens = list(zip(steps["num_prefill_tokens"].astype(int).tolist(),
+                               steps["num_decode_tokens"].astype(int).tolist()))
+        self.start_s = steps["start_s"].to_numpy(dtype=np.float64)
+        self.duration_s = steps["duration_s"].to_numpy(dtype=np.float64)
+        self.span_s = (steps["span_s"].to_numpy(dtype=np.float64) if "span_s" in steps
+                       else np.full(len(steps), np.nan))
+        self.rows = []
+        self.matching = True
+
+    def predict(self, plan) -> float:
+        predicted = self.inner.predict(plan)
+        k = len(self.rows)
+        if self.matching and k < len(self.tokens) \
+                and self.tokens[k] == (plan.num_prefill_tokens, plan.num_decode_tokens):
+            decodes = len(plan.scheduled) - plan.num_prefill_seqs
+            layout = getattr(self.inner, "layout", None)
+            graphed = layout.is_graphed(plan.num_prefill_tokens, decodes) if layout is not None \
+                else plan.num_prefill_tokens == 0 and decodes <= 256
+            kind = ("eager" if not graphed else
+                    "mixed_graph" if plan.num_prefill_tokens else "decode_graph")
+            self.rows.append((predicted, self.duration_s[k], self.span_s[k], kind,
+                              len(plan.scheduled), plan.num_prefill_tokens, decodes))
+            end = self.start_s[k] + self.duration_s[k]
+            if k + 1 < len(self.start_s) and self.start_s[k + 1] - end < self.IDLE_GAP_S:
+                return max(1e-9, float(self.start_s[k + 1] - plan.now_s))
+            return max(1e-9, float(end - plan.now_s))
+        self.matching = False
+        return predicted
+
+
+def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
+    """Per-step error of the cost model on the engine's own plans (the simulator replays the
+    engine's step times; `matched_steps` of `steps` kept the same schedule), against the step's
+    duration and against the executor span the profile measured; the engine's host time outside
+    that span; and `replayed_error`: the replay's metrics against the measured ones (near zero
+    when the simulator and the engine make the same decisions, so that the headline errors are
+    step-time errors)."""
+    from simkv.sim.engine import simulate
+    steps = measured["steps"]
+    replay = _PlanReplay(cost_model, steps)
+    replayed = simulate(scenario, trace_df=frame, cost_model=replay).summary
+    out = {"steps": int(len(steps)), "matched_steps": len(replay.rows),
+           "host_outside_span_fraction": _outside_fraction(steps),
+           "replayed_error": {k: relative_error(lookup(replayed, k), lookup(measured["summary"], k))
+                              for k in ERROR_KEYS[:5]}}
+    rows = pd.DataFrame(replay.rows, columns=["predicted_s", "duration_s", "span_s", "kind",
+                                              "num_seqs", "num_prefill_tokens", "num_decodes"])
+    if rows.span_s.notna().all() and len(rows) >= 3:
+        out["host_outside_span_fit"] = _fit_host_term(rows)
+    large = rows.num_decodes > LARGE_BATCH
+    families = [(kind, rows[rows.kind == kind]) for kind in ("decode_graph", "mixed_graph",
+                                                             "eager")]
+    families += [(f"{kind}_over_{LARGE_BATCH}_decodes", rows[(rows.kind == kind) & large])
+                 for kind in ("decode_graph", "eager")]
+    for family, part in families:
+        if part.empty:
+            continue
+        entry = {"steps": int(len(part)),
+                 "time_fraction": float(part.duration_s.sum() / rows.duration_s.sum()),
+                 "duration_ms_mean": 1e3 * float(part.duration_s.mean()),
+                 "predicted_ms_mean": 1e3 * float(part.predicted_s.mean()),
+                 "error_vs_duration_median": float((part.predicted_s / part.duration_s - 1)
+                                                   .median()),
+                 "error_vs_duration_total": float(part.predicted_s.sum()
+                                                  / part.duration_s.sum() - 1)}
+        if part.span_s.notna().all():
+            entry["span_ms_mean"] = 1e3 * float(part.span_s.mean())
+            entry["error_vs_span_median"] = float((part.predicted_s / part.span_s - 1).median())
+            entry["error_vs_span_total"] = float(part.predicted_s.sum() / part.span_s.sum() - 1)
+            entry["host_outside_span_ms_mean"] = 1e3 * float((part.duration_s
+                                                              - part.span_s).mean())
+        out[family] = entry
+    return out
+
+
+def _fit_host_term(rows: pd.DataFrame) -> dict:
+    """Least squares of the host time outside the executor span per step: c0_s + c_seq_s x
+    sequences + c_prefill_token_s x prefill tokens (the term the profiled model lacks)."""
+    x = np.c_[np.ones(len(rows)), rows.num_seqs, rows.num_prefill_tokens].astype(np.float64)
+    coef, *_ = np.linalg.lstsq(x, (rows.duration_s - rows.span_s).to_numpy(), rcond=None)
+    return dict(zip(("c0_s", "c_seq_s", "c_prefill_token_s"), map(float, np.maximum(coef, 0))))
+
+
+def _outside_fraction(steps: pd.DataFrame) -> float | None:
+    if "span_s" not in steps or steps["span_s"].isna().any():
+        return None
+    return float((steps["duration_s"] - steps["span_s"]).sum() / steps["duration_s"].sum())
