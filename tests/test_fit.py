@@ -17,7 +17,7 @@ from simkv.costmodel import step_formula as SF
 from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
 from simkv.core.specs import load_gpu, load_model, profiles_dir
 from simkv.errors import InputError
-from simkv.gpu.profiler import design, features
+from simkv.gpu.profile_design import design, features
 
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # token knots up to the design's largest step, as the fit derives them

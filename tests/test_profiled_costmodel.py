@@ -195,7 +195,7 @@ def test_the_committed_8b_profile_predicts_its_measured_decode_step():
 
 def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_composition():
     from simkv.costmodel import step_formula as SF
-    from simkv.gpu.profiler import design, features
+    from simkv.gpu.profile_design import design, features
     path = find_profile("h200", "llama-3.1-8b")
     if path is None:
         pytest.skip("no committed llama-3.1-8b profile")
@@ -263,7 +263,7 @@ def test_fit_engine_host_recovers_the_terms_of_the_engine_pass():
 
 
 def test_the_profilers_engine_workload_is_seeded_and_serving_like():
-    from simkv.gpu.profiler import engine_workload
+    from simkv.gpu.engine_pass import engine_workload
     a, b = engine_workload(240, seed=0), engine_workload(240, seed=0)
     assert a.equals(b) and len(a) == 240 and (a["arrival_s"] == 0).all()
     assert 16 <= a["prompt_tokens"].min() and a["prompt_tokens"].max() <= 4000

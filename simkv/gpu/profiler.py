@@ -34,10 +34,12 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from simkv.gpu.engine_pass import ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host
+from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features
 
 GIB = 1 << 30
 STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
@@ -46,129 +48,8 @@ STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_t
                "graph", "time_s", "time_p10_s", "time_p90_s", "wall_s", "reps"]
 TRANSFER_FIELDS = ["block_size", "num_blocks", "bytes", "time_s", "time_p10_s", "time_p90_s",
                    "reps"]
-# KV tokens of the largest composition (75 GiB for an 8B): serving decode batches of 192-256
-# sequences at 2,048 tokens of context reach 400,000-520,000 (docs/validation.md).
-MAX_CACHED_TOKENS = 600_000
 LEDGER_BLOCK_SIZE = 16
 MAX_NUM_SEQS = 256
-
-
-# ----------------------------------------------------------------------------------------------
-# The design (pure Python)
-
-
-@dataclass
-class Point:
-    """One step composition: items are (start, num_tokens, is_decode) per sequence."""
-
-    id: str
-    family: str
-    items: list
-
-
-def _decode(b: int, ctx: int) -> list:
-    return [(ctx - 1, 1, True)] * b
-
-
-def _chunks(n: int, tokens: int, prefix: int) -> list:
-    return [(prefix, tokens, False)] * n
-
-
-def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
-    """The grid, in a fixed order (the fit's hold-out rule counts positions in it)."""
-    points = []
-
-    def add(pid, family, items):
-        cached = sum(s + n for s, n, _ in items)
-        if cached <= max_cached_tokens:
-            points.append(Point(pid, family, items))
-
-    if quick:
-        for b in (1, 4):
-            for ctx in (16, 48):
-                add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
-        add("decode/het/2x8+1x60", "decode", _decode(2, 8) + _decode(1, 60))
-        for t in (8, 32):
-            for p in (0, 24):
-                add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
-        add("prefill/2x16+p0", "prefill", _chunks(2, 16, 0))
-        for b in (2, 6):
-            add(f"mixed/d{b}c24/1x16+p8", "mixed", _decode(b, 24) + _chunks(1, 16, 8))
-        return points
-
-    for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
-        for ctx in (128, 512, 2048, 8192):
-            add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
-    for b, ctx in ((1, 32768), (4, 32768), (1, 65536), (16, 16384)):
-        add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
-    # Heterogeneous batches: one long sequence among short ones, halves, a geometric spread.
-    for b, short, long_ in ((8, 64, 32768), (32, 256, 16384), (128, 512, 8192)):
-        add(f"decode/het/{b - 1}x{short}+1x{long_}", "decode",
-            _decode(b - 1, short) + _decode(1, long_))
-    for b, a, c in ((16, 128, 4096), (64, 256, 2048), (200, 300, 1000)):
-        add(f"decode/het/{b // 2}x{a}+{b - b // 2}x{c}", "decode",
-            _decode(b // 2, a) + _decode(b - b // 2, c))
-    for b in (12, 48, 160):
-        ctxs = np.geomspace(32, 16384, b).round().astype(int).tolist()
-        add(f"decode/het/{b}xgeom32-16384", "decode", [(c - 1, 1, True) for c in ctxs])
-
-    for t in (16, 64, 256, 512, 1024, 2048, 4096, 8192):
-        for p in (0, 4096):
-            add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
-    for t, p in ((512, 16384), (2048, 16384), (128, 32768)):
-        add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
-    for n, t, p in ((4, 256, 0), (8, 512, 0), (16, 128, 0), (2, 2048, 1024), (32, 64, 0),
-                    (4, 1024, 4096)):
-        add(f"prefill/{n}x{t}+p{p}", "prefill", _chunks(n, t, p))
-
-    for b in (4, 16, 32, 64, 128):
-        for i, t in enumerate((64, 512, 2048)):
-            p = 0 if (i + b) % 2 == 0 else 2048
-            add(f"mixed/d{b}c1024/1x{t}+p{p}", "mixed", _decode(b, 1024) + _chunks(1, t, p))
-    add("mixed/d200c512/1x1848+p0", "mixed", _decode(200, 512) + _chunks(1, 1848, 0))
-    add("mixed/d100c2048/1x412+p1024", "mixed", _decode(100, 2048) + _chunks(1, 412, 1024))
-    add("mixed/d8c8192/1x4096+p8192", "mixed", _decode(8, 8192) + _chunks(1, 4096, 8192))
-    add("mixed/d32c512/2x256+p0", "mixed", _decode(32, 512) + _chunks(2, 256, 0))
-    add("mixed/d48c4096/1x1024+p0", "mixed", _decode(48, 4096) + _chunks(1, 1024, 0))
-    add("mixed/d240c256/1x16+p4096", "mixed", _decode(240, 256) + _chunks(1, 16, 4096))
-    add("mixed/d24c300/1x7000+p0", "mixed", _decode(24, 300) + _chunks(1, 7000, 0))
-    # Mixed steps in the range of the captured mixed graphs (up to 1,024 tokens): a chunk's
-    # tail beside a decode batch, as continuous serving schedules them.
-    for b, ctx in ((1, 256), (8, 1024), (32, 512), (96, 1024), (200, 700)):
-        for t, p in ((16, 0), (100, 512), (300, 0), (700, 2048), (1000 - b, 0)):
-            if t > 1:
-                add(f"mixed/d{b}c{ctx}/1x{t}+p{p}", "mixed", _decode(b, ctx) + _chunks(1, t, p))
-    add("mixed/d16c800/3x200+p0", "mixed", _decode(16, 800) + _chunks(3, 200, 0))
-    add("mixed/d64c2048/2x150+p300", "mixed", _decode(64, 2048) + _chunks(2, 150, 300))
-    # Eager steps just above the largest mixed graph (1,024 tokens), where most serving prefill
-    # steps fall; large chunks over long cached prefixes (Mooncake-like).
-    for b, ctx in ((16, 1024), (64, 2048), (160, 1500)):
-        for total, p in ((1100, 0), (1400, 1024), (1800, 0)):
-            add(f"mixed/d{b}c{ctx}/1x{total - b}+p{p}", "mixed",
-                _decode(b, ctx) + _chunks(1, total - b, p))
-    for t, p in ((8192, 16384), (8192, 24576), (4096, 16384)):
-        add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
-    add("mixed/d8c16384/1x8192+p16384", "mixed", _decode(8, 16384) + _chunks(1, 8192, 16384))
-    return points
-
-
-def features(items) -> dict:
-    """Cost-model features of a composition (as `Scheduler._finalise` computes them)."""
-    f = dict(num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0, num_decode_seqs=0,
-             decode_context_tokens=0, prefill_context_tokens=0, prefill_attention_pairs=0,
-             decode_max_context=0)
-    for start, n, is_decode in items:
-        if is_decode:
-            f["num_decode_tokens"] += 1
-            f["num_decode_seqs"] += 1
-            f["decode_context_tokens"] += start + 1
-            f["decode_max_context"] = max(f["decode_max_context"], start + 1)
-        else:
-            f["num_prefill_tokens"] += n
-            f["num_prefill_seqs"] += 1
-            f["prefill_context_tokens"] += start + n
-            f["prefill_attention_pairs"] += n * start + n * (n + 1) // 2
-    return f
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,8 +301,6 @@ def _write_csv(path: Path, rows: list, fields: list) -> None:
 
 
 PARTS = ("steps", "transfers", "ledger", "host_noise", "engine")
-ENGINE_FIELDS = ["step", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "preempted",
-                 "duration_s", "exec_s", "outside_s"]
 NOISE_IDS = ("prefill/1x16+p0", "prefill/1x512+p0", "mixed/d32c1024/1x64+p0",
              "mixed/d128c1024/1x512+p2048", "decode/b64/c512")
 LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
@@ -517,7 +396,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         _write(out, meta, data)   # after every block size
         log(f"  {meta['profile_seconds']:.0f} s elapsed")
     if "engine" in parts and cuda:
-        data["engine"] = measure_engine_host(model, dev, seed, log, gpu=meta["gpu"])
+        data["engine"] = measure_engine_host(model, dev, seed, log, gpu=meta["gpu"],
+                                             max_num_seqs=MAX_NUM_SEQS)
         meta["engine_pass"] = ENGINE_PASS_NOTE
         _write(out, meta, data)
     if cuda:
@@ -525,68 +405,6 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         _write(out, meta, data)
     log(f"wrote {out} ({len(data['steps'])} step rows, {meta['profile_seconds']} s)")
     return out
-
-
-ENGINE_PASS_NOTE = ("engine_host.csv: the real engine (scheduler, KV manager, executor) serving "
-                    "a synthetic workload offline at block size 16; per step the time outside "
-                    "the executor's span (scheduling, finishing, metrics) = duration_s - exec_s")
-
-
-def engine_workload(num_requests: int, seed: int):
-    """A synthetic serving mix for the engine pass: lognormal prompts (median 400 tokens) and
-    outputs (median 80), a quarter sharing one of four 256-token prefixes, a tenth with n = 2."""
-    from simkv.core.traces import build_trace
-    rng = np.random.default_rng(seed + 17)
-    prompts = np.clip(rng.lognormal(np.log(400), 0.9, num_requests), 16, 4000).astype(int)
-    outputs = np.clip(rng.lognormal(np.log(80), 0.8, num_requests), 4, 400).astype(int)
-    groups = rng.integers(0, 4, num_requests)
-    shared = rng.random(num_requests) < 0.25
-    ids, next_id = [], 1000
-    for i in range(num_requests):
-        blocks = -(-int(prompts[i]) // 16)
-        head = tuple(range(10 * groups[i], 10 * groups[i] + 16))[:blocks] if shared[i] else ()
-        ids.append(head + tuple(range(next_id, next_id + blocks - len(head))))
-        next_id += blocks
-    return build_trace({"arrival_s": np.zeros(num_requests), "prompt_tokens": prompts,
-                        "output_tokens": outputs, "n": np.where(rng.random(num_requests) < 0.1,
-                                                                2, 1),
-                        "prefix_ids": ids, "prefix_block_tokens": [16] * num_requests},
-                       source="profiler", format="csv")
-
-
-def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
-                        gpu: str = "h200") -> list:
-    """Rows for engine_host.csv: the engine's time per step outside the executor's span."""
-    from simkv.core.config import load_scenario
-    from simkv.gpu.engine import Engine
-    from simkv.sim.setup import requests_from_frame
-    import torch
-    free, _ = torch.cuda.mem_get_info(dev)
-    blocks = int(min(40_000, 0.5 * free // (16 * model.kv_bytes_per_token("bf16"))))
-    scn = load_scenario({
-        "name": "profile-engine-pass", "model": model.name, "gpu": gpu, "seed": seed,
-        "cache": {"block_size": 16, "num_gpu_blocks_override": blocks,
-                  "enable_prefix_caching": True},
-        "scheduler": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 8192},
-        "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
-    engine = Engine(scn, str(dev))
-    t0 = time.perf_counter()
-    engine.run(requests_from_frame(engine_workload(num_requests, seed)), realtime=False)
-    steps = engine.recorder.steps_frame()
-    steps["exec_s"] = engine.exec_s
-    steps["num_seqs"] = engine.num_seqs
-    rows = []
-    for r in steps.itertuples(index=False):
-        rows.append({"step": int(r.step), "num_seqs": int(r.num_seqs),
-                     "num_prefill_tokens": int(r.num_prefill_tokens),
-                     "num_decode_tokens": int(r.num_decode_tokens),
-                     "preempted": int(r.preempted), "duration_s": _sig(r.duration_s),
-                     "exec_s": _sig(r.exec_s), "outside_s": _sig(r.duration_s - r.exec_s)})
-    log(f"  engine pass: {len(rows)} steps in {time.perf_counter() - t0:.0f} s")
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rows
 
 
 def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 2) -> list:

@@ -1,0 +1,80 @@
+"""The profiler's engine pass: the engine's own time per step outside the executor.
+
+The real engine (scheduler, KV manager, executor) serves a synthetic workload offline at block
+size 16; per step, `duration_s - exec_s` is the time spent scheduling, finishing the step and
+recording metrics, which the fit turns into `engine_host` (`simkv.costmodel.fit`).
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+ENGINE_FIELDS = ["step", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "preempted",
+                 "duration_s", "exec_s", "outside_s"]
+
+ENGINE_PASS_NOTE = ("engine_host.csv: the real engine (scheduler, KV manager, executor) serving "
+                    "a synthetic workload offline at block size 16; per step the time outside "
+                    "the executor's span (scheduling, finishing, metrics) = duration_s - exec_s")
+
+
+def engine_workload(num_requests: int, seed: int):
+    """A synthetic serving mix for the engine pass: lognormal prompts (median 400 tokens) and
+    outputs (median 80), a quarter sharing one of four 256-token prefixes, a tenth with n = 2."""
+    from simkv.core.traces import build_trace
+    rng = np.random.default_rng(seed + 17)
+    prompts = np.clip(rng.lognormal(np.log(400), 0.9, num_requests), 16, 4000).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(80), 0.8, num_requests), 4, 400).astype(int)
+    groups = rng.integers(0, 4, num_requests)
+    shared = rng.random(num_requests) < 0.25
+    ids, next_id = [], 1000
+    for i in range(num_requests):
+        blocks = -(-int(prompts[i]) // 16)
+        head = tuple(range(10 * groups[i], 10 * groups[i] + 16))[:blocks] if shared[i] else ()
+        ids.append(head + tuple(range(next_id, next_id + blocks - len(head))))
+        next_id += blocks
+    return build_trace({"arrival_s": np.zeros(num_requests), "prompt_tokens": prompts,
+                        "output_tokens": outputs, "n": np.where(rng.random(num_requests) < 0.1,
+                                                                2, 1),
+                        "prefix_ids": ids, "prefix_block_tokens": [16] * num_requests},
+                       source="profiler", format="csv")
+
+
+def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
+                        gpu: str = "h200", max_num_seqs: int = 256) -> list:
+    """Rows for engine_host.csv: the engine's time per step outside the executor's span."""
+    from simkv.core.config import load_scenario
+    from simkv.gpu.engine import Engine
+    from simkv.sim.setup import requests_from_frame
+    import torch
+    free, _ = torch.cuda.mem_get_info(dev)
+    blocks = int(min(40_000, 0.5 * free // (16 * model.kv_bytes_per_token("bf16"))))
+    scn = load_scenario({
+        "name": "profile-engine-pass", "model": model.name, "gpu": gpu, "seed": seed,
+        "cache": {"block_size": 16, "num_gpu_blocks_override": blocks,
+                  "enable_prefix_caching": True},
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192},
+        "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
+    engine = Engine(scn, str(dev))
+    t0 = time.perf_counter()
+    engine.run(requests_from_frame(engine_workload(num_requests, seed)), realtime=False)
+    steps = engine.recorder.steps_frame()
+    steps["exec_s"] = engine.exec_s
+    steps["num_seqs"] = engine.num_seqs
+    rows = []
+    for r in steps.itertuples(index=False):
+        rows.append({"step": int(r.step), "num_seqs": int(r.num_seqs),
+                     "num_prefill_tokens": int(r.num_prefill_tokens),
+                     "num_decode_tokens": int(r.num_decode_tokens),
+                     "preempted": int(r.preempted), "duration_s": _sig(r.duration_s),
+                     "exec_s": _sig(r.exec_s), "outside_s": _sig(r.duration_s - r.exec_s)})
+    log(f"  engine pass: {len(rows)} steps in {time.perf_counter() - t0:.0f} s")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _sig(x: float) -> str:
+    return f"{x:.6g}"
