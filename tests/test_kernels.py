@@ -179,8 +179,13 @@ def test_copy_blocks_copies_whole_blocks_and_nothing_else():
     assert torch.equal(k_cache[5], k_cache[1]) and torch.equal(v_cache[7], v_cache[2])
 
 
+@pytest.mark.parametrize("chunk_blocks", [None, 1, 3])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_swap_out_then_in_restores_blocks_in_any_host_order(stacked):
+def test_swap_out_then_in_restores_blocks_in_any_host_order(stacked, chunk_blocks, monkeypatch):
+    # chunk_blocks: a staging budget of that many blocks, so that a swap moves in several chunks
+    from simkv.gpu import swap
+    if chunk_blocks is not None:
+        monkeypatch.setattr(swap, "STAGING_BYTES", chunk_blocks * 3 * 2 * 4 * 2 * 16 * 4)
     gen = torch.Generator().manual_seed(40)
     layers, num_blocks = 3, 10
     stack = torch.randn(layers, 2, num_blocks, 4, 2, 16, generator=gen).to(DEVICE)

@@ -12,7 +12,9 @@ consecutive host blocks is one contiguous range.
 A swap moves a set of blocks given as (device_block, host_block) pairs: the device gathers them
 (all layers, K and V) into a staging tensor with index_select, then ONE copy per run of consecutive
 host blocks crosses the host link (one copy in all when the host blocks are consecutive, which a
-first-fit host allocator gives). Swap-in is the mirror image. Copies are asynchronous on the
+first-fit host allocator gives). Swap-in is the mirror image. Blocks move in chunks of at most
+STAGING_BYTES, so that a large swap's transient device memory stays bounded (gathering 1,000
+blocks of an 8B model at once held ~4 GiB beside the KV pool). Copies are asynchronous on the
 current stream; the mapping is host data, so nothing here waits for the device.
 """
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 Caches = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]
+STAGING_BYTES = 256 << 20     # device staging per chunk of a swap
 
 
 @dataclass
@@ -66,6 +69,13 @@ def _sorted_mapping(mapping) -> torch.Tensor:
     """(device_block, host_block) pairs as a CPU int64 [n, 2] tensor, sorted by host block."""
     mapping = torch.as_tensor(mapping, dtype=torch.int64, device="cpu").reshape(-1, 2)
     return mapping[torch.argsort(mapping[:, 1])]
+
+
+def _chunks(mapping: torch.Tensor, bytes_per_block: int):
+    """Consecutive slices of a sorted mapping of at most STAGING_BYTES each (one block at least)."""
+    step = max(1, STAGING_BYTES // max(1, bytes_per_block))
+    for start in range(0, len(mapping), step):
+        yield mapping[start:start + step]
 
 
 def _host_runs(host_ids: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -112,24 +122,22 @@ def swap_out(caches: Caches, swap_space: HostSwapSpace, mapping) -> None:
     Asynchronous on the current stream: synchronise before reading the host blocks on the CPU.
     """
     mapping = _sorted_mapping(mapping)
-    if len(mapping) == 0:
-        return
     device = _device_of(caches)
-    staging = _gather(caches, mapping[:, 0].to(device))
     non_blocking = swap_space.blocks.is_pinned()
-    for pos, host_start, length in _host_runs(mapping[:, 1]):
-        swap_space.blocks[host_start : host_start + length].copy_(staging[pos : pos + length], non_blocking=non_blocking)
+    for chunk in _chunks(mapping, swap_space.bytes_per_block):
+        staging = _gather(caches, chunk[:, 0].to(device))
+        for pos, host_start, length in _host_runs(chunk[:, 1]):
+            swap_space.blocks[host_start : host_start + length].copy_(staging[pos : pos + length], non_blocking=non_blocking)
 
 
 def swap_in(caches: Caches, swap_space: HostSwapSpace, mapping) -> None:
     """Copy host blocks back into device blocks: mapping is (device_block, host_block) pairs, [n, 2]."""
     mapping = _sorted_mapping(mapping)
-    if len(mapping) == 0:
-        return
     device = _device_of(caches)
     blocks = swap_space.blocks
-    staging = torch.empty((len(mapping), *blocks.shape[1:]), dtype=blocks.dtype, device=device)
     non_blocking = blocks.is_pinned()
-    for pos, host_start, length in _host_runs(mapping[:, 1]):
-        staging[pos : pos + length].copy_(blocks[host_start : host_start + length], non_blocking=non_blocking)
-    _scatter(caches, mapping[:, 0].to(device), staging)
+    for chunk in _chunks(mapping, swap_space.bytes_per_block):
+        staging = torch.empty((len(chunk), *blocks.shape[1:]), dtype=blocks.dtype, device=device)
+        for pos, host_start, length in _host_runs(chunk[:, 1]):
+            staging[pos : pos + length].copy_(blocks[host_start : host_start + length], non_blocking=non_blocking)
+        _scatter(caches, chunk[:, 0].to(device), staging)
