@@ -270,3 +270,18 @@ def test_the_profilers_engine_workload_is_seeded_and_serving_like():
     assert set(a["n"]) == {1, 2}
     shared = [ids[0] for ids in a["prefix_ids"] if ids[0] < 1000]     # the four shared prefixes
     assert 0.15 < len(shared) / 240 < 0.35
+
+
+def test_the_step_layout_follows_the_scenarios_scheduler(tmp_path):
+    # the engine captures graphs up to max_num_seqs and max_num_batched_tokens: a batch of 5
+    # pads to 6 (not 8) and a mixed step of 90 tokens to 100 (the whole budget, not 256)
+    from types import SimpleNamespace
+    path = write_fit(tmp_path, layout={"mixed_token_sizes": [16, 32, 64, 128, 256],
+                                       "max_num_seqs": 256, "max_model_len": 131072})
+    sched = SimpleNamespace(max_num_seqs=6, max_num_batched_tokens=100, max_model_len=4096)
+    m = ProfiledCostModel.load(path, block_size=16, scheduler=sched)
+    assert m.graph_batch_sizes == [1, 2, 4, 6]
+    assert m.layout.mixed_token_sizes == (16, 32, 64, 100)
+    assert m.layout.max_model_len == 4096 and m.layout.max_num_seqs == 6
+    t_lin_at_6 = 1e-3 + (6 - 1) / (8 - 1) * (2e-3 - 1e-3)
+    assert m.predict(plan_of([(99, 1, True)] * 5)) == pytest.approx(t_lin_at_6 + 1e-8 * 500 + 5e-6)

@@ -28,7 +28,7 @@ def load_cost_model(scenario):
             try:
                 return ProfiledCostModel.load(path, block_size=cache.block_size,
                                               kv_dtype=cache.kv_dtype, model=scenario.model,
-                                              gpu=scenario.gpu)
+                                              gpu=scenario.gpu, scheduler=scenario.scheduler)
             except BlockSizeNotProfiled as e:
                 if choice != "auto":
                     raise

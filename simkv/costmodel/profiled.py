@@ -66,7 +66,10 @@ class ProfiledCostModel:
     is_estimate = False
 
     def __init__(self, fit: dict, path: Path, block_size: int = 16, kv_dtype: str = "bf16",
-                 model=None, gpu=None):
+                 model=None, gpu=None, scheduler=None):
+        """`scheduler` (a scenario's scheduler settings, optional): the engine's graph sizes and
+        table width follow its max_num_seqs, max_num_batched_tokens and max_model_len rather
+        than the profile's."""
         self.path = Path(path)
         self.fit = fit
         self.block_size = int(block_size)
@@ -95,12 +98,35 @@ class ProfiledCostModel:
         else:
             kv_per_token = float(fit.get("kv_bytes_per_token", 0)) * kv_bytes / measured
         self.bytes_per_block = kv_per_token * self.block_size
+        if scheduler is not None:
+            self._follow_scheduler(scheduler, model)
         self._prepare()
+
+    def _follow_scheduler(self, sched, model) -> None:
+        """The step layout of an engine run with these scheduler settings (as the executor
+        derives its captured sizes: simkv.gpu.graph_steps)."""
+        from dataclasses import replace
+
+        from simkv.gpu.launch_policy import GRAPH_BATCH_SIZES, MIXED_TOKEN_SIZES
+        layout = self.layout
+        changes = {"max_num_seqs": sched.max_num_seqs}
+        max_len = sched.max_model_len or (model.max_position_embeddings if model else 0)
+        if max_len:
+            changes["max_model_len"] = max_len
+        if self.graph_batch_sizes:
+            top = min(sched.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+            self.graph_batch_sizes = [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
+            changes["graph_batch_sizes"] = tuple(self.graph_batch_sizes)
+        if layout.mixed_token_sizes:
+            top = min(sched.max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
+            changes["mixed_token_sizes"] = tuple([t for t in MIXED_TOKEN_SIZES if t < top]
+                                                 + [top])
+        self.layout = replace(layout, **changes)
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
     def load(cls, path, block_size: int = 16, kv_dtype: str = "bf16", model=None,
-             gpu=None) -> "ProfiledCostModel":
+             gpu=None, scheduler=None) -> "ProfiledCostModel":
         """Read a fit.json (InputError naming the file and key when it is unusable)."""
         path = Path(path)
         if path.is_dir():
@@ -112,7 +138,7 @@ class ProfiledCostModel:
                              "directory)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
-        return cls(fit, path, block_size, kv_dtype, model, gpu)
+        return cls(fit, path, block_size, kv_dtype, model, gpu, scheduler)
 
     def _check(self, fit: dict, model) -> None:
         path = self.path
