@@ -89,7 +89,7 @@ def test_ledger_parts_add_up_to_the_device_memory(model, gpu):
 
 def test_budget_is_the_floor_of_utilisation_times_device_memory():
     gpu = load_gpu("h200")
-    assert memory_budget_bytes(gpu, CacheConfig(gpu_memory_utilization=0.5)) == 150_754_820_096 // 2
+    assert memory_budget_bytes(gpu, CacheConfig(gpu_memory_utilization=0.5)) == 150_109_880_320 // 2
 
 
 def test_memory_budget_gib_wins_over_utilisation():
