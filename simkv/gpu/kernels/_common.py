@@ -81,6 +81,16 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """Validate q [rows, num_heads, head_dim] against the cache; returns (rows, num_heads)."""
+    rows, num_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache (kv heads {num_kv_heads}, head_dim {head_dim})")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    return rows, num_heads
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from simkv.gpu.launch_policy import decode_num_splits
 
-from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale, next_pow2, offsets_fit_int32, sm_count
+from ._common import DOT_PRECISION, LOG2E, check_kv_cache, check_query, default_scale, next_pow2, offsets_fit_int32, sm_count
 
 
 @dataclass(frozen=True)
@@ -287,11 +287,7 @@ def paged_decode_attention(
     parameters (benchmarks, tests).
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    num_seqs, num_heads, q_head_dim = q.shape
-    if q_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not match the cache (kv heads {num_kv_heads}, head_dim {head_dim})")
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in its last dimension")
+    num_seqs, num_heads = check_query(q, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
     cfg = config or decode_config(block_size, head_dim, q.dtype)
     if num_splits is None:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import DOT_PRECISION, LOG2E, check_kv_cache, default_scale, offsets_fit_int32
+from ._common import DOT_PRECISION, LOG2E, check_kv_cache, check_query, default_scale, offsets_fit_int32
 
 
 @dataclass(frozen=True)
@@ -210,11 +210,7 @@ def paged_prefill_attention(
     Needs no scratch and no host sync, so it can be captured in a CUDA graph as is.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    total_tokens, num_heads, q_head_dim = q.shape
-    if q_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not match the cache (kv heads {num_kv_heads}, head_dim {head_dim})")
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in its last dimension")
+    total_tokens, num_heads = check_query(q, num_kv_heads, head_dim)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError("query_start_loc must have num_seqs + 1 entries")
