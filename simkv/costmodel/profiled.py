@@ -107,20 +107,17 @@ class ProfiledCostModel:
         derives its captured sizes: simkv.gpu.graph_steps)."""
         from dataclasses import replace
 
-        from simkv.gpu.launch_policy import GRAPH_BATCH_SIZES, MIXED_TOKEN_SIZES
+        from simkv.gpu.launch_policy import decode_graph_sizes, mixed_graph_sizes
         layout = self.layout
         changes = {"max_num_seqs": sched.max_num_seqs}
         max_len = sched.max_model_len or (model.max_position_embeddings if model else 0)
         if max_len:
             changes["max_model_len"] = max_len
         if self.graph_batch_sizes:
-            top = min(sched.max_num_seqs, GRAPH_BATCH_SIZES[-1])
-            self.graph_batch_sizes = [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
+            self.graph_batch_sizes = decode_graph_sizes(sched.max_num_seqs)
             changes["graph_batch_sizes"] = tuple(self.graph_batch_sizes)
         if layout.mixed_token_sizes:
-            top = min(sched.max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
-            changes["mixed_token_sizes"] = tuple([t for t in MIXED_TOKEN_SIZES if t < top]
-                                                 + [top])
+            changes["mixed_token_sizes"] = tuple(mixed_graph_sizes(sched.max_num_batched_tokens))
         self.layout = replace(layout, **changes)
 
     # -- loading ------------------------------------------------------------------------------

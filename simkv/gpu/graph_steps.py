@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from simkv.gpu.launch_policy import GRAPH_BATCH_SIZES, MIXED_TOKEN_SIZES
+from simkv.gpu.launch_policy import decode_graph_sizes, mixed_graph_sizes
 from simkv.gpu.model import AttentionMetadata
 
 
@@ -46,12 +46,10 @@ class GraphSteps:
 
     # -- sizes --------------------------------------------------------------------------------
     def decode_buckets(self) -> list:
-        top = min(self.ex.max_num_seqs, GRAPH_BATCH_SIZES[-1])
-        return [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
+        return decode_graph_sizes(self.ex.max_num_seqs)
 
     def mixed_buckets(self) -> list:
-        top = min(self.ex.max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
-        return [t for t in MIXED_TOKEN_SIZES if t < top] + [top]
+        return mixed_graph_sizes(self.ex.max_num_batched_tokens)
 
     def mixed_caps(self, tokens: int) -> tuple:
         """(decode rows, prefill sequences, sampled rows) a mixed step of `tokens` can hold: a

@@ -15,6 +15,18 @@ MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def decode_graph_sizes(max_num_seqs: int) -> list:
+    """The batch sizes an engine with this max_num_seqs captures (the last one is the cap)."""
+    top = min(max_num_seqs, GRAPH_BATCH_SIZES[-1])
+    return [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list:
+    """The token counts of the mixed steps an engine with this token budget captures."""
+    top = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
+    return [t for t in MIXED_TOKEN_SIZES if t < top] + [top]
+
+
 # Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
 # (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
 # towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
