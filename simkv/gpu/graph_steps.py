@@ -223,39 +223,52 @@ class GraphSteps:
         tokens [D, D + P), padding up to `bucket`. Returns (sampled tokens, decodes first, then
         the chunks; host prep seconds)."""
         t0 = time.perf_counter()
-        ids, pos, slots, tables, seq_lens, q_lens = self.ex._host_inputs(single + prefill)
         n_dec, n_pf = len(single), len(prefill)
         d_cap, p_cap, r_cap = self.mixed_caps(bucket)
         top_d, top_p, _ = self.m_caps
-        ends = np.cumsum([0] + q_lens)
-        used = int(ends[-1])
+        bs = self.ex.block_size
         h = self.hm_i64.numpy()
-        h[0, :used] = np.concatenate(ids)
-        h[1, :used] = np.concatenate(pos)
-        h[2, :used] = np.concatenate(slots)
+        i32 = self.hm_i32.numpy()
+        rows = self.hm_rows.numpy()
+        # decode rows: one token each, written as scalars (as a decode-only step's)
+        dec_tables, w_dec = [], 0
+        for j, it in enumerate(single):
+            seq, p = it.seq, it.start
+            table = seq.block_table
+            h[0, j] = seq.token_ids[p]
+            h[1, j] = p
+            h[2, j] = table[p // bs] * bs + p % bs
+            i32[j] = p + 1
+            rows[j] = j
+            row = table[:p // bs + 1]
+            dec_tables.append(row)
+            w_dec = max(w_dec, len(row))
+        i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
+        # the chunks, after the decode rows
+        ids, pos, slots, pf_tables, seq_lens, q_lens = self.ex._host_inputs(prefill)
+        ends = n_dec + np.cumsum([0] + q_lens)
+        used = int(ends[-1])
+        h[0, n_dec:used] = np.concatenate(ids)
+        h[1, n_dec:used] = np.concatenate(pos)
+        h[2, n_dec:used] = np.concatenate(slots)
         h[0, used:bucket] = 0
         h[1, used:bucket] = 0
         h[2, used:bucket] = -1                   # padding rows write nothing
-        rows = self.hm_rows.numpy()
-        rows[:n_dec + n_pf] = ends[1:] - 1       # last token of every item
+        rows[n_dec:n_dec + n_pf] = ends[1:] - 1  # each chunk's last token
         rows[n_dec + n_pf:r_cap] = 0
-        i32 = self.hm_i32.numpy()
-        i32[:n_dec] = seq_lens[:n_dec]
-        i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
         qsl = i32[top_d:top_d + top_p + 1]
-        qsl[:n_pf + 1] = ends[n_dec:]
+        qsl[:n_pf + 1] = ends
         qsl[n_pf + 1:p_cap + 1] = used           # padding sequences: no new tokens
         pf_lens = i32[top_d + top_p + 1:]
-        pf_lens[:n_pf] = seq_lens[n_dec:]
+        pf_lens[:n_pf] = seq_lens
         pf_lens[n_pf:p_cap] = 0
-        w_dec = max((len(t) for t in tables[:n_dec]), default=0)
-        w_pf = max(len(t) for t in tables[n_dec:])
+        w_pf = max(len(t) for t in pf_tables)
         flat = self.hm_tables.numpy()
         dec_flat = flat[:n_dec * w_dec].reshape(n_dec, w_dec)
         pf_flat = flat[n_dec * w_dec:n_dec * w_dec + n_pf * w_pf].reshape(n_pf, w_pf)
-        for j, t in enumerate(tables[:n_dec]):
+        for j, t in enumerate(dec_tables):
             dec_flat[j, :len(t)] = t
-        for j, t in enumerate(tables[n_dec:]):
+        for j, t in enumerate(pf_tables):
             pf_flat[j, :len(t)] = t
         total = n_dec * w_dec + n_pf * w_pf
         self.m_i64.copy_(self.hm_i64, non_blocking=True)

@@ -30,10 +30,11 @@ def mixed_graph_sizes(max_num_batched_tokens: int) -> list:
 # Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit
 # (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
 # towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
-# tiles (these two are first guesses; `python -m simkv.gpu.bench tune --quick` sweeps them at batch
-# 1/4/8 and writes the winners to best.json under "constants").
+# tiles (4 and 2: the best geometric mean against SDPA at batch 1/4/8 x 4,096/16,384 in the bounded
+# tune on an H200, profiles/h200/kernels-tuned/best.json; `python -m simkv.gpu.bench tune --quick`
+# sweeps them again).
 FULL_PROGRAMS_PER_SM = 2
-SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 2
 
 
