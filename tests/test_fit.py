@@ -200,9 +200,9 @@ def test_longest_decode_program_follows_the_kernels_split_rule():
     layout = SF.StepLayout((1, 8), (1, 2, 4, 8, 16, 32), sm_count=132, num_kv_heads=8,
                           decode_tile=64, max_model_len=131072,
                           mixed_token_sizes=(16, 32, 64, 128), max_num_seqs=256)
-    # graphed, 32 decodes: 256 programs < 2 per SM -> ceil(2 * 132 / 256) = 2 splits;
-    # 16384 tokens = 256 tiles -> 128 per program
-    assert layout.longest_program_tokens(32, 16384, True, 16) == 128 * 64
+    # graphed, 32 decodes: 256 programs < 2 per SM -> ceil(4 * 132 / 256) = 3 splits;
+    # 16384 tokens = 256 tiles -> 86 per program
+    assert layout.longest_program_tokens(32, 16384, True, 16) == 86 * 64
     # eager, 4 decodes, longest 1000 tokens: the table is padded to 64 blocks of 16 = 1024
     # tokens = 16 tiles, at most 8 splits (half the tiles); 1000 tokens = 16 tiles -> 2 each
     assert layout.longest_program_tokens(4, 1000, False, 16) == 128
