@@ -179,19 +179,14 @@ class GraphSteps:
         return make_step(key)()
 
     # -- running a step -----------------------------------------------------------------------
-    def run_decode(self, single: list) -> tuple:
-        """A decode-only step: (sampled tokens in the order of `single`, host prep seconds)."""
-        t0 = time.perf_counter()
-        n = len(single)
-        b = next(b for b in self.decode_buckets() if b >= n)
+    def _write_decode_rows(self, single: list, h, lens) -> tuple:
+        """Write one-token decode items into rows [0, len(single)) of the host arrays as scalars
+        (ids, positions, slots into `h`; sequence lengths into `lens`). Returns (block-table rows,
+        their widest length, at least 1)."""
         bs = self.ex.block_size
-        h = self.h_i64.numpy()
-        lens = self.h_seq_lens.numpy()
-        width = 1
-        table_rows = []
+        width, table_rows = 1, []
         for j, it in enumerate(single):
-            seq = it.seq
-            p = it.start
+            seq, p = it.seq, it.start
             table = seq.block_table
             h[0, j] = seq.token_ids[p]
             h[1, j] = p
@@ -200,6 +195,16 @@ class GraphSteps:
             row = table[:p // bs + 1]
             table_rows.append(row)
             width = max(width, len(row))
+        return table_rows, width
+
+    def run_decode(self, single: list) -> tuple:
+        """A decode-only step: (sampled tokens in the order of `single`, host prep seconds)."""
+        t0 = time.perf_counter()
+        n = len(single)
+        b = next(b for b in self.decode_buckets() if b >= n)
+        h = self.h_i64.numpy()
+        lens = self.h_seq_lens.numpy()
+        table_rows, width = self._write_decode_rows(single, h, lens)
         h[0, n:b] = 0
         h[1, n:b] = 0
         h[2, n:b] = -1                     # padding rows write nothing
@@ -226,23 +231,11 @@ class GraphSteps:
         n_dec, n_pf = len(single), len(prefill)
         d_cap, p_cap, r_cap = self.mixed_caps(bucket)
         top_d, top_p, _ = self.m_caps
-        bs = self.ex.block_size
         h = self.hm_i64.numpy()
         i32 = self.hm_i32.numpy()
         rows = self.hm_rows.numpy()
-        # decode rows: one token each, written as scalars (as a decode-only step's)
-        dec_tables, w_dec = [], 0
-        for j, it in enumerate(single):
-            seq, p = it.seq, it.start
-            table = seq.block_table
-            h[0, j] = seq.token_ids[p]
-            h[1, j] = p
-            h[2, j] = table[p // bs] * bs + p % bs
-            i32[j] = p + 1
-            rows[j] = j
-            row = table[:p // bs + 1]
-            dec_tables.append(row)
-            w_dec = max(w_dec, len(row))
+        dec_tables, w_dec = self._write_decode_rows(single, h, i32)
+        rows[:n_dec] = np.arange(n_dec)          # a decode row samples its only token
         i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
         # the chunks, after the decode rows
         ids, pos, slots, pf_tables, seq_lens, q_lens = self.ex._host_inputs(prefill)
