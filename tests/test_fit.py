@@ -215,6 +215,37 @@ def test_longest_decode_program_follows_the_kernels_split_rule():
     assert layout.is_graphed(0, 32) and not layout.is_graphed(0, 33)
 
 
+def test_decode_tail_is_the_busiest_program_beyond_an_even_share_of_the_slots():
+    layout = SF.StepLayout((1, 8), (1, 2, 4, 8, 16, 32, 64, 128, 256), sm_count=132,
+                          num_kv_heads=8, decode_tile=64, max_model_len=131072,
+                          decode_slots_per_sm=3.0)
+    # 127 x 512 + 1 x 8192 tokens, graphed at 128: 1024 programs, unsplit, busiest 8192;
+    # even share = 8 x 73216 / (3 x 132) = 1479.1 -> the long sequence's tail 6712.9
+    assert layout.decode_tail_tokens(128, 8192, 73216, True, 16) == pytest.approx(6712.89, abs=0.01)
+    # 48 x 8192 (graph of 64: 512 programs, unsplit): share 8 x 393216 / 396 = 7943.8 -> 248.2
+    assert layout.decode_tail_tokens(48, 8192, 393216, True, 16) == pytest.approx(248.24, abs=0.01)
+    # a batch whose share exceeds its busiest program has no tail; no decodes, none
+    assert layout.decode_tail_tokens(256, 512, 131072, True, 16) == 0.0
+    assert layout.decode_tail_tokens(0, 0, 0, True, 16) == 0.0
+    # slots 0 (fits before the term): the whole busiest program, as before
+    old = SF.StepLayout((1, 8), (1, 2, 4, 8, 16, 32, 64, 128, 256), sm_count=132,
+                        num_kv_heads=8, decode_tile=64, max_model_len=131072)
+    assert old.decode_tail_tokens(128, 8192, 73216, True, 16) == 8192
+
+
+def test_the_fit_takes_decode_slots_by_cross_validation_on_training_rows():
+    from simkv.costmodel.fit import DECODE_SLOTS
+    path = profiles_dir() / "h200" / "llama-3.1-8b" / "fit.json"
+    if not path.is_file():
+        pytest.skip("no committed llama-3.1-8b profile")
+    fit = json.loads(path.read_text())
+    sel = fit["form_selection"]
+    assert sel["decode_slots_candidates"] == list(DECODE_SLOTS)
+    assert all(v["decode_slots_per_sm"] in DECODE_SLOTS for v in sel["cv_error"].values())
+    assert fit["layout"]["decode_slots_per_sm"] == sel["cv_error"][sel["chosen"]][
+        "decode_slots_per_sm"]
+
+
 def test_the_cost_model_and_the_kernel_share_one_split_rule():
     from simkv.gpu import launch_policy
     pytest.importorskip("triton")

@@ -161,6 +161,9 @@ class ProfiledCostModel:
         for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs"):
             if key in layout:
                 fields[key] = int(_numbers(layout[key], f"layout.{key}", path)[0])
+        if "decode_slots_per_sm" in layout:
+            fields["decode_slots_per_sm"] = _numbers(layout["decode_slots_per_sm"],
+                                                     "layout.decode_slots_per_sm", path)[0]
         if layout.get("mixed_token_sizes"):
             fields["mixed_token_sizes"] = tuple(sorted(int(t) for t in _numbers(
                 layout["mixed_token_sizes"], "layout.mixed_token_sizes", path)))
@@ -288,8 +291,8 @@ class ProfiledCostModel:
             longest = getattr(plan, "decode_max_context", 0)
             if not longest:          # plans that do not carry the feature: scan the batch
                 longest = max(s.start for s in plan.scheduled if s.is_decode) + 1
-            seconds += self._a_long * layout.longest_program_tokens(
-                decodes, longest, graph, self.block_size, mixed)
+            seconds += self._a_long * layout.decode_tail_tokens(
+                decodes, longest, plan.decode_context_tokens, graph, self.block_size, mixed)
         seconds += self._a_pf * plan.prefill_attention_pairs
         seconds += self._a_ctx * plan.prefill_context_tokens
         seconds += self._c_seq * num_seqs

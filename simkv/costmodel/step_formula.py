@@ -75,6 +75,8 @@ class StepLayout:
     max_model_len: int = 0       # graphed block tables are this wide
     mixed_token_sizes: tuple = ()  # token counts of the captured mixed steps (none: eager)
     max_num_seqs: int = 256      # a mixed graph of T tokens has min(T, max_num_seqs) decode rows
+    decode_slots_per_sm: float = 0.0   # decode programs an SM runs at once (0: count the whole
+                                       # busiest program, as fits before this field did)
 
     def mixed_size(self, num_tokens: int) -> int:
         """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
@@ -120,6 +122,20 @@ class StepLayout:
         splits = _num_splits(batch, self.num_kv_heads, width, tile, self.sm_count)
         tiles = -(-max_context // tile)
         return -(-tiles // splits) * tile
+
+    def decode_tail_tokens(self, num_decode_seqs: int, max_context: int, context_tokens: int,
+                           graph: bool, block_size: int, mixed_tokens: int = 0) -> float:
+        """Context tokens the decode kernel's busiest program reads beyond an even share of the
+        batch's KV over the GPU's concurrent program slots (sm_count x decode_slots_per_sm):
+        the tail one long sequence adds when the rest of the batch cannot hide it. A uniform
+        batch that fills the slots has no tail (its time is the KV read); 127 short sequences
+        and one of 8,192 tokens wait for the long one's program."""
+        longest = self.longest_program_tokens(num_decode_seqs, max_context, graph, block_size,
+                                              mixed_tokens)
+        if not longest or not self.decode_slots_per_sm or not self.sm_count:
+            return float(longest)
+        share = self.num_kv_heads * context_tokens / (self.decode_slots_per_sm * self.sm_count)
+        return max(0.0, longest - share)
 
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -167,8 +183,8 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
     elif b:
         w = hats(math.log2(b), LOG_BATCH_KNOTS, False)
         seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * f["decode_context_tokens"]
-    seconds += coefs.get("a_decode_longest_s_per_token", 0.0) * \
-        layout.longest_program_tokens(b, f["decode_max_context"], graph, block_size, mixed)
+    seconds += coefs.get("a_decode_longest_s_per_token", 0.0) * layout.decode_tail_tokens(
+        b, f["decode_max_context"], f["decode_context_tokens"], graph, block_size, mixed)
     seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
     seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
     seconds += coefs["c_seq_s"] * seqs

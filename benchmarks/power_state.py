@@ -1,0 +1,105 @@
+"""Does a step's time depend on what the GPU ran just before it? (GPU only; no simpy.)
+
+    python benchmarks/power_state.py [--model llama-3.1-8b] [--seconds 3] --out DIR
+
+The profiler times each composition back to back, so a compute-bound prefill step is measured
+while the GPU has been busy with prefills, and a decode step while it has run decodes. A
+serving engine mixes them. This runs the real executor (block size 16) in a controlled duty
+cycle: for each target fraction `h` of device time spent in a heavy prefill step (4,096 new
+tokens), light decode steps (16 x 512) fill the rest, and every ~0.25 s two probes are timed
+(CUDA-event span of `execute`): an eager prefill step as serving runs them (1,100 new tokens
+and 48 decodes of 1,024) and a large decode graph (192 decodes of 1,000 tokens). The SM clock
+is read with nvidia-smi beside each probe. Writes `power_state.csv` (level, h, probe, time_s,
+sm_clock_mhz, heavy_fraction_1s: the heavy share of device time over the last second) and
+prints the median per level and probe relative to the first level (h = 0).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+LEVELS = (0.0, 0.5, 1.0, 0.25, 0.75, 0.0)
+HEAVY = [(0, 4096, False)]
+LIGHT = [(511, 1, True)] * 16
+PROBES = {"eager_prefill_1100_d48": [(0, 1100, False)] + [(1023, 1, True)] * 48,
+          "decode_graph_b192_c1000": [(999, 1, True)] * 192}
+
+
+def _sm_clock() -> float:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,"
+                              "nounits"], capture_output=True, text=True, timeout=5).stdout
+        return float(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--seconds", type=float, default=3.0, help="per level, after 1 s settling")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import pandas as pd
+    import torch
+    from simkv.core.specs import load_model
+    from simkv.gpu.executor import GpuExecutor
+    from simkv.gpu.profiler import _plan, _tokens
+
+    bs = 16
+    model = load_model(args.model)
+    rng = np.random.default_rng(0)
+    executor = GpuExecutor(model, 40_000, bs, num_host_blocks=0, device=args.device, seed=0,
+                           max_num_seqs=256, max_num_batched_tokens=8192,
+                           profile_memory=False)
+    with torch.inference_mode():
+        executor.caches.normal_()
+    tokens = _tokens(executor, rng)
+    perm = rng.permutation(executor.num_blocks)
+    plans = {"heavy": _plan(HEAVY, bs, perm, tokens), "light": _plan(LIGHT, bs, perm, tokens)}
+    plans.update({k: _plan(v, bs, perm, tokens) for k, v in PROBES.items()})
+    for plan in plans.values():          # warm-up (and graph capture checks)
+        executor.execute(plan)
+
+    rows, history = [], []                 # history: (end wall time, device s, heavy?)
+    for level, h in enumerate(LEVELS):
+        busy = {"heavy": 0.0, "all": 1e-9}
+        start = time.perf_counter()
+        next_probe = start + 1.0
+        while time.perf_counter() - start < 1.0 + args.seconds:
+            kind = "heavy" if busy["heavy"] / busy["all"] < h else "light"
+            executor.execute(plans[kind])
+            gpu_s = executor.last_gpu_s
+            busy[kind] = busy.get(kind, 0.0) + gpu_s
+            busy["all"] += gpu_s
+            now = time.perf_counter()
+            history.append((now, gpu_s, kind == "heavy"))
+            if now >= next_probe:
+                clock = _sm_clock()
+                window = [(g, hv) for t, g, hv in history if t >= now - 1.0]
+                frac = sum(g for g, hv in window if hv) / max(1e-9, sum(g for g, _ in window))
+                for name in PROBES:
+                    executor.execute(plans[name])
+                    rows.append({"level": level, "h": h, "probe": name, "time_s": executor.last_gpu_s,
+                                 "sm_clock_mhz": clock, "heavy_fraction_1s": round(frac, 3)})
+                next_probe = now + 0.25
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "power_state.csv", index=False)
+    med = df.groupby(["probe", "level", "h"]).agg(
+        time_ms=("time_s", lambda s: 1e3 * s.median()), clock=("sm_clock_mhz", "median"),
+        heavy=("heavy_fraction_1s", "median"), n=("time_s", "size")).reset_index()
+    first = med[med["level"] == 0].set_index("probe")["time_ms"]
+    med["vs_first_h0"] = med["time_ms"] / med["probe"].map(first)
+    print(med.round(3).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
