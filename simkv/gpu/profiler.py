@@ -11,8 +11,9 @@ decode-only steps as the engine runs them) executes synthetic StepPlans:
 - mixed: prefill chunks beside decodes, as chunked prefill schedules them;
 - block copies (copy-on-write) and host<->device swaps against blocks per transfer.
 
-Each composition runs once to warm up, then `reps` times; the step time is the median of the
-executor's own CUDA-event span (`last_gpu_s`: host input building, the forward, sampling and the
+The step grid runs a warm-up round over the whole design, then `reps` rounds (at most 3 for
+steps over 50 ms), interleaved so that each composition is timed after different ones, as in
+serving; the step time is the median of the executor's own CUDA-event span (`last_gpu_s`: host input building, the forward, sampling and the
 copy of the sampled tokens back, as in the engine). Block tables are random permutations of the
 pool, whose K/V are random (never zeros). At block size 16 the profiler also measures the memory
 ledger (weights, activation peak against batched tokens, CUDA-graph pool and everything else)
@@ -75,6 +76,9 @@ def _plan(items, block_size: int, perm: np.ndarray, tokens: list):
     return plan
 
 
+LONG_STEP_S = 0.05       # steps longer than this vary little: at most 3 timed repetitions
+
+
 def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
     """Median (and p10/p90) of the executor's CUDA-event span over `reps` runs after warm-up."""
     for _ in range(warmup):
@@ -85,12 +89,9 @@ def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
         executor.execute(plan)
         walls.append(time.perf_counter() - t0)
         times.append(executor.last_gpu_s)
-        if times[0] > 0.05:     # long steps vary little: fewer repetitions
+        if times[0] > LONG_STEP_S:
             reps = min(reps, 3)
-    t = np.array(times)
-    return {"time_s": float(np.median(t)), "time_p10_s": float(np.percentile(t, 10)),
-            "time_p90_s": float(np.percentile(t, 90)), "wall_s": float(np.median(walls)),
-            "reps": len(times)}
+    return _summary(times, walls)
 
 
 def _tokens(executor, rng) -> list:
@@ -102,20 +103,46 @@ def _sig(x: float) -> str:
     return f"{x:.6g}"
 
 
+def _summary(times: list, walls: list) -> dict:
+    t = np.array(times)
+    return {"time_s": float(np.median(t)), "time_p10_s": float(np.percentile(t, 10)),
+            "time_p90_s": float(np.percentile(t, 90)), "wall_s": float(np.median(walls)),
+            "reps": len(times)}
+
+
 def profile_block_size(executor, points, rng, reps: int, log) -> list:
-    """Time every composition on one executor; rows for steps.csv."""
+    """Time every composition on one executor; rows for steps.csv.
+
+    The repetitions are interleaved: a warm-up round over the whole design, then `reps` timed
+    rounds (at most 3 for steps over LONG_STEP_S). A slow spell of the host, or a GPU clock
+    state that one kind of step drives (sustained prefills run the SMs hot and slower), then
+    shifts one repetition of many compositions instead of every repetition of a few, and each
+    composition is timed after a different one, as steps follow each other in serving."""
     bs = executor.block_size
     tokens = _tokens(executor, rng)
+    plans, graphed = [], []
+    for point in points:                                   # warm-up round
+        plan = _plan(point.items, bs, rng.permutation(executor.num_blocks), tokens)
+        before = executor.num_graph_steps + executor.num_mixed_graph_steps
+        executor.execute(plan)
+        graphed.append(int(executor.num_graph_steps + executor.num_mixed_graph_steps > before))
+        plans.append(plan)
+    times = [[] for _ in points]
+    walls = [[] for _ in points]
+    for r in range(reps):
+        for i, plan in enumerate(plans):
+            if r >= 3 and times[i][0] > LONG_STEP_S:
+                continue
+            t0 = time.perf_counter()
+            executor.execute(plan)
+            walls[i].append(time.perf_counter() - t0)
+            times[i].append(executor.last_gpu_s)
     rows = []
-    for point in points:
-        perm = rng.permutation(executor.num_blocks)
-        plan = _plan(point.items, bs, perm, tokens)
-        graphs_before = executor.num_graph_steps + executor.num_mixed_graph_steps
-        timing = _time(executor, plan, reps)
-        graph = int(executor.num_graph_steps + executor.num_mixed_graph_steps > graphs_before)
+    for i, point in enumerate(points):
         row = {"id": point.id, "family": point.family, "block_size": bs,
-               **features(point.items), "graph": graph}
-        row.update({k: (_sig(v) if isinstance(v, float) else v) for k, v in timing.items()})
+               **features(point.items), "graph": graphed[i]}
+        row.update({k: (_sig(v) if isinstance(v, float) else v)
+                    for k, v in _summary(times[i], walls[i]).items()})
         rows.append(row)
     log(f"  block size {bs}: {len(rows)} compositions")
     return rows
