@@ -2,25 +2,29 @@
 
     python benchmarks/power_state.py [--model llama-3.1-8b] [--seconds 3] --out DIR
 
-The profiler times each composition back to back, so a compute-bound prefill step is measured
-while the GPU has been busy with prefills, and a decode step while it has run decodes. A
-serving engine mixes them. This runs the real executor (block size 16) in a controlled duty
+Timed back to back, a compute-bound prefill step is measured while the GPU has been busy with
+prefills, and a decode step while it has run decodes; a serving engine mixes them (the profiler
+therefore interleaves its repetitions over the whole design, docs/profiling.md). This runs the real executor (block size 16) in a controlled duty
 cycle: for each target fraction `h` of device time spent in a heavy prefill step (4,096 new
 tokens), light decode steps (16 x 512) fill the rest, and every ~0.25 s two probes are timed
 (CUDA-event span of `execute`): an eager prefill step as serving runs them (1,100 new tokens
 and 48 decodes of 1,024) and a large decode graph (192 decodes of 1,000 tokens). The SM clock
 is read with nvidia-smi beside each probe. Writes `power_state.csv` (level, h, probe, time_s,
 sm_clock_mhz, heavy_fraction_1s: the heavy share of device time over the last second) and
-prints the median per level and probe relative to the first level (h = 0).
+prints the median per level and probe relative to the first level (h = 0). The committed
+measurement is profiles/h200/llama-3.1-8b/probes/power_state.csv (H200, 2026-11-29, 3 s levels).
 """
 from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LEVELS = (0.0, 0.5, 1.0, 0.25, 0.75, 0.0)
 HEAVY = [(0, 4096, False)]
