@@ -12,7 +12,9 @@ and 48 decodes of 1,024) and a large decode graph (192 decodes of 1,000 tokens).
 is read with nvidia-smi beside each probe. Writes `power_state.csv` (level, h, probe, time_s,
 sm_clock_mhz, heavy_fraction_1s: the heavy share of device time over the last second) and
 prints the median per level and probe relative to the first level (h = 0). The committed
-measurement is profiles/h200/llama-3.1-8b/probes/power_state.csv (H200, 2026-11-29, 3 s levels).
+measurement is profiles/h200/llama-3.1-8b/probes/power_state.csv (H200, 2026-11-29, 3 s levels),
+taken by a first form that read the clock just before the probes, so that each probe followed
+the tens of ms of idle GPU that the nvidia-smi query takes.
 """
 from __future__ import annotations
 
@@ -85,14 +87,17 @@ def main() -> None:
             now = time.perf_counter()
             history.append((now, gpu_s, kind == "heavy"))
             if now >= next_probe:
-                clock = _sm_clock()
                 window = [(g, hv) for t, g, hv in history if t >= now - 1.0]
                 frac = sum(g for g, hv in window if hv) / max(1e-9, sum(g for g, _ in window))
+                probed = []
                 for name in PROBES:
                     executor.execute(plans[name])
-                    rows.append({"level": level, "h": h, "probe": name, "time_s": executor.last_gpu_s,
-                                 "sm_clock_mhz": clock, "heavy_fraction_1s": round(frac, 3)})
-                next_probe = now + 0.25
+                    probed.append({"level": level, "h": h, "probe": name,
+                                   "time_s": executor.last_gpu_s,
+                                   "heavy_fraction_1s": round(frac, 3)})
+                clock = _sm_clock()     # after the probes: the query leaves the GPU idle a while
+                rows += [dict(r, sm_clock_mhz=clock) for r in probed]
+                next_probe = time.perf_counter() + 0.25
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame(rows)

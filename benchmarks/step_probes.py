@@ -6,8 +6,9 @@
 Two probes on the real executor (llama-3.1-8b, block size 16, random K/V, median of 5 runs
 after a warm-up, as the profiler times a composition):
 
-- `prefill_scan.csv`: eager steps of one prefill chunk of 960 to 2,048 tokens every 32 (and
-  2,560, 3,072, 4,096), alone and beside 48 decodes of 1,024 tokens, timed back to back;
+- `prefill_scan.csv`: steps of 960 to 2,048 tokens every 32 (and 2,560, 3,072, 4,096): one
+  prefill chunk alone, or a chunk of tokens - 48 beside 48 decodes of 1,024 tokens, timed back
+  to back (up to 1,024 tokens they run as mixed CUDA graphs, above eagerly);
 - `decode_mix.csv`: decode graphs of 150 and 200 sequences whose contexts are drawn as serving
   produces them (lognormal around 900 tokens, 64-3,000) plus three long ones (4,096, 5,120,
   6,144), with the long ones first, last or at random places in the batch, against the same
@@ -109,7 +110,7 @@ def compare(folder: Path) -> None:
         df = pd.read_csv(scan)
         df["pred_s"] = [predict(_scan_items(n, d)) for n, d in zip(df["tokens"], df["decodes"])]
         df["error"] = df["pred_s"] / df["time_s"] - 1
-        print("prefill scan (eager, back to back): model error by tokens")
+        print("prefill scan (back to back; eager above 1,024 tokens): model error % by tokens")
         print(df.pivot(index="tokens", columns="decodes", values="error").mul(100).round(1)
               .to_string())
     mix = folder / "decode_mix.csv"

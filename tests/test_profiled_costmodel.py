@@ -285,3 +285,12 @@ def test_the_step_layout_follows_the_scenarios_scheduler(tmp_path):
     assert m.layout.max_model_len == 4096 and m.layout.max_num_seqs == 6
     t_lin_at_6 = 1e-3 + (6 - 1) / (8 - 1) * (2e-3 - 1e-3)
     assert m.predict(plan_of([(99, 1, True)] * 5)) == pytest.approx(t_lin_at_6 + 1e-8 * 500 + 5e-6)
+
+
+def test_a_negative_decode_slot_count_is_refused_naming_the_key(tmp_path):
+    path = write_fit(tmp_path, layout={"sm_count": 132, "num_kv_heads": 8,
+                                       "decode_slots_per_sm": -1})
+    with pytest.raises(InputError, match="layout.decode_slots_per_sm"):
+        ProfiledCostModel.load(path)
+    ok = write_fit(tmp_path, layout={"sm_count": 132, "num_kv_heads": 8, "decode_slots_per_sm": 3})
+    assert ProfiledCostModel.load(ok).layout.decode_slots_per_sm == 3

@@ -162,8 +162,11 @@ class ProfiledCostModel:
             if key in layout:
                 fields[key] = int(_numbers(layout[key], f"layout.{key}", path)[0])
         if "decode_slots_per_sm" in layout:
-            fields["decode_slots_per_sm"] = _numbers(layout["decode_slots_per_sm"],
-                                                     "layout.decode_slots_per_sm", path)[0]
+            slots = _numbers(layout["decode_slots_per_sm"], "layout.decode_slots_per_sm", path)[0]
+            if slots < 0:
+                raise InputError(f"{path}: key 'layout.decode_slots_per_sm' must be >= 0, got "
+                                 f"{slots:g}")
+            fields["decode_slots_per_sm"] = slots
         if layout.get("mixed_token_sizes"):
             fields["mixed_token_sizes"] = tuple(sorted(int(t) for t in _numbers(
                 layout["mixed_token_sizes"], "layout.mixed_token_sizes", path)))

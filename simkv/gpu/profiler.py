@@ -302,8 +302,9 @@ def _meta(model, device, executor_dtype, block_sizes, quick, graph_sizes, comman
         "triton": triton.__version__,
         "numpy": np.__version__,
         "host": platform.node(),
-        "timing": ("median of the executor's CUDA-event span of execute(plan) after one warm-up "
-                   "run; p10/p90 beside it"),
+        "timing": ("median of the executor's CUDA-event span of execute(plan): a warm-up round "
+                   "over the whole design, then interleaved timed rounds (at most 3 repetitions "
+                   "for steps over 50 ms); p10/p90 beside it"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
