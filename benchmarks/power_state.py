@@ -1,6 +1,7 @@
 """Does a step's time depend on what the GPU ran just before it? (GPU only; no simpy.)
 
-    python benchmarks/power_state.py [--model llama-3.1-8b] [--seconds 3] --out DIR
+    python benchmarks/power_state.py [--model llama-3.1-8b] [--seconds 3] [--levels 0,0.5,1,...]
+        --out DIR
 
 Timed back to back, a compute-bound prefill step is measured while the GPU has been busy with
 prefills, and a decode step while it has run decodes; a serving engine mixes them (the profiler
@@ -48,11 +49,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--seconds", type=float, default=3.0, help="per level, after 1 s settling")
+    ap.add_argument("--levels", default=",".join(f"{h:g}" for h in LEVELS),
+                    help="comma-separated heavy fractions, in order")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import pandas as pd
     import torch
     from simkv.core.specs import load_model
     from simkv.gpu.executor import GpuExecutor
@@ -73,8 +75,12 @@ def main() -> None:
     for plan in plans.values():          # warm-up (and graph capture checks)
         executor.execute(plan)
 
+    import pandas as pd
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    levels = [float(x) for x in args.levels.split(",")]
     rows, history = [], []                 # history: (end wall time, device s, heavy?)
-    for level, h in enumerate(LEVELS):
+    for level, h in enumerate(levels):
         busy = {"heavy": 0.0, "all": 1e-9}
         start = time.perf_counter()
         next_probe = start + 1.0
@@ -94,14 +100,13 @@ def main() -> None:
                     executor.execute(plans[name])
                     probed.append({"level": level, "h": h, "probe": name,
                                    "time_s": executor.last_gpu_s,
+                                   "t_s": round(time.perf_counter() - start, 3),
                                    "heavy_fraction_1s": round(frac, 3)})
                 clock = _sm_clock()     # after the probes: the query leaves the GPU idle a while
                 rows += [dict(r, sm_clock_mhz=clock) for r in probed]
                 next_probe = time.perf_counter() + 0.25
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_csv(out / "power_state.csv", index=False)   # after every level
     df = pd.DataFrame(rows)
-    df.to_csv(out / "power_state.csv", index=False)
     med = df.groupby(["probe", "level", "h"]).agg(
         time_ms=("time_s", lambda s: 1e3 * s.median()), clock=("sm_clock_mhz", "median"),
         heavy=("heavy_fraction_1s", "median"), n=("time_s", "size")).reset_index()
