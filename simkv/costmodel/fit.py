@@ -66,7 +66,7 @@ HOLDOUT_RULE = (f"per block size and family, in design order: every {HOLDOUT_EVE
 CV_FOLDS = 5
 # Candidate decode programs resident per SM (StepLayout.decode_slots_per_sm; 0: the busiest
 # program counts in full); the fit takes the one that cross-validates best for each form.
-DECODE_SLOTS = (0, 2, 3, 4)
+DECODE_SLOTS = (0, 2, 3, 4, 6, 8)
 SIG_DIGITS = 6
 
 
@@ -400,8 +400,11 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
                      "p95": round(float(np.percentile(errs, 95)), 4),
                      "rms": round(float(np.sqrt(np.mean(errs ** 2))), 4),
                      "decode_slots_per_sm": slots}
+            rms_by_slots = cv[name]["rms_by_decode_slots"] if name in cv else {}
+            rms_by_slots[str(slots)] = score["rms"]
             if name not in cv or score["rms"] < cv[name]["rms"]:
                 cv[name] = score
+            cv[name]["rms_by_decode_slots"] = rms_by_slots
     # The simplest candidate whose CV RMS error is within 5% (relative) of the best one.
     best = min(v["rms"] for v in cv.values())
     chosen = next(n for n in CANDIDATES if cv[n]["rms"] <= best * 1.05 + 1e-12)
