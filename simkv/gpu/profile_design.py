@@ -110,6 +110,27 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
     for t, p in ((8192, 16384), (8192, 24576), (4096, 16384)):
         add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
     add("mixed/d8c16384/1x8192+p16384", "mixed", _decode(8, 16384) + _chunks(1, 8192, 16384))
+    # Serving-like decode batches: contexts drawn as Azure conv serving produces them (lognormal
+    # around 900 tokens) with three long sequences first, spread through or last in the batch
+    # (the decode kernel launches sequences in order, so a late long one is the kernel's tail),
+    # and the same batch without them. Eager steps between 1,024 and 2,048 tokens, finer than
+    # T_lin's knots (benchmarks/step_probes.py measured +-8% structure there). Appended after the
+    # 148 compositions of the profiles of 2026-11-29, so their hold-out ranks are unchanged.
+    rng = np.random.default_rng(2026)
+    longs = [4096, 5120, 6144]
+    for b in (64, 150, 220):
+        base = np.clip(rng.lognormal(np.log(900), 0.6, b - 3), 64, 3000).round().astype(int)
+        base = base.tolist()
+        q = len(base) // 3
+        layouts = {"first": longs + base, "last": base + longs,
+                   "spread": base[:q] + longs[:1] + base[q:2 * q] + longs[1:2] + base[2 * q:]
+                   + longs[2:]}
+        for where, ctxs in layouts.items():
+            add(f"decode/mix/b{b}-long-{where}", "decode", [(c - 1, 1, True) for c in ctxs])
+        add(f"decode/mix/b{b - 3}-no-long", "decode", [(c - 1, 1, True) for c in base])
+    for total in (1216, 1344, 1536, 1664, 1856, 1984):     # (not 32 decodes: held out by rule)
+        add(f"mixed/d24c1024/1x{total - 24}+p0", "mixed",
+            _decode(24, 1024) + _chunks(1, total - 24, 0))
     return points
 
 
