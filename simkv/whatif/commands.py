@@ -107,8 +107,10 @@ def capacity_command(scenario_path: str | Path, sets: list[str], replicates: int
           f"utilisation {_fmt(s['kv_utilization_mean'])}, preemptions {s['preemptions']}")
     if result.ci is not None:
         ci = result.ci
-        print(f"  95% confidence interval over {len(ci['replicates'])} replicates: "
-              f"{ci['low']:.4g} to {ci['high']:.4g} requests/s (mean {ci['mean']:.4g})")
+        print(f"  over {len(ci['replicates'])} replicates (this scenario's seed first): "
+              + ", ".join(f"{r:.4g}" for r in ci["replicates"])
+              + f" requests/s; mean {ci['mean']:.4g}, 95% confidence interval of the mean "
+              f"{ci['low']:.4g} to {ci['high']:.4g}")
     print(f"  {len(result.probes)} simulations: "
           + ", ".join(f"{r:.4g}{'+' if m else '-'}" for r, m in result.probes))
     return 0
