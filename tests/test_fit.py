@@ -192,8 +192,18 @@ def test_extended_roofline_calibration_fits_per_layer_eager_overhead(tmp_path):
     prof = synthetic_profile(tmp_path)
     cal = C.calibrate_roofline(prof, extended=True)
     assert cal["form"] == "roofline+eager"
-    assert {"graph_step_overhead_s", "eager_overhead_s_per_layer"} <= set(cal["params"])
+    assert {"graph_overhead_s_per_layer", "eager_overhead_s_per_layer"} <= set(cal["params"])
     assert C.roofline_error(cal["params"], prof) == cal["error"]
+    # the roofline model the simulator runs predicts what the calibration evaluated
+    model, gpu, _ = C._profile_specs(prof)
+    steps = F.read_csv(prof / "steps.csv", F.STEP_COLUMNS)
+    params = RooflineParams(**{k: v for k, v in cal["params"].items()
+                               if k in RooflineParams.__dataclass_fields__})
+    m = RooflineCostModel(model, gpu, "bf16", 16, params)
+    pred = [m.predict(p) for p in C._plans_from_steps(steps[steps["block_size"] == 16])]
+    meas = steps[steps["block_size"] == 16]["time_s"].tolist()
+    assert F.rel_error_summary(pred, meas)["median"] == pytest.approx(
+        C.roofline_error(cal["params"], prof)["median"], abs=0.02)
 
 
 def test_longest_decode_program_follows_the_kernels_split_rule():

@@ -72,10 +72,10 @@ def _roofline_terms(model, gpu, steps: pd.DataFrame, kv_dtype="bf16") -> dict:
 
 def _overhead_columns(q: dict, extended: bool) -> np.ndarray:
     """Overhead design columns: [attention, per-step, per-seq] or, extended, [attention,
-    per graphed step, per layer of an eager step, per-seq]."""
+    per layer of a graphed step, per layer of an eager step, per-seq]."""
     if extended:
-        return np.column_stack([q["attn_s"], 1.0 - q["eager"], q["eager"] * q["layers"],
-                                q["seqs"]])
+        return np.column_stack([q["attn_s"], (1.0 - q["eager"]) * q["layers"],
+                                q["eager"] * q["layers"], q["seqs"]])
     return np.column_stack([q["attn_s"], np.ones(len(q["seqs"])), q["seqs"]])
 
 
@@ -85,10 +85,9 @@ def calibrate_roofline(profile_dir, extended: bool = False) -> dict:
     Grid search (step 0.01) over the bandwidth and FLOP efficiencies (the roofline's max()
     makes those non-linear); for each pair the attention efficiency and the overheads are a
     non-negative least-squares fit of relative error. Returns {"params", "error", "profile",
-    "form"}: params are RooflineParams fields; `extended` adds the proposed form (an eager
-    step's launch overhead per layer, a graphed step's own overhead) whose two new fields,
-    `graph_step_overhead_s` and `eager_overhead_s_per_layer`, RooflineParams does not have
-    yet. host_link_efficiency comes from the profile's measured swap bandwidth.
+    "form"}: params are RooflineParams fields; `extended` is the second form (a graphed
+    and an eager step's overhead, each per layer: `graph_overhead_s_per_layer`,
+    `eager_overhead_s_per_layer`), which the roofline model loads when the calibration has it. host_link_efficiency comes from the profile's measured swap bandwidth.
     """
     profile_dir = Path(profile_dir)
     model, gpu, _ = _profile_specs(profile_dir)
@@ -109,7 +108,7 @@ def calibrate_roofline(profile_dir, extended: bool = False) -> dict:
     params = {"bandwidth_efficiency": float(bw), "flops_efficiency": float(fl),
               "attention_flops_efficiency": _round(1.0 / c[0] if c[0] > 1.0 else 1.0, 4)}
     if extended:
-        params.update(graph_step_overhead_s=_round(float(c[1]), 4),
+        params.update(graph_overhead_s_per_layer=_round(float(c[1]), 4),
                       eager_overhead_s_per_layer=_round(float(c[2]), 4),
                       per_seq_overhead_s=_round(float(c[3]), 4))
     else:
@@ -136,9 +135,11 @@ def roofline_error(params, other_profile_dir) -> dict:
     if isinstance(params, dict) and "eager_overhead_s_per_layer" in params:
         q = _roofline_terms(model, gpu, steps)
         bw, fl = params["bandwidth_efficiency"], params["flops_efficiency"]
-        c = np.array([1.0 / params["attention_flops_efficiency"],
-                      params["graph_step_overhead_s"], params["eager_overhead_s_per_layer"],
-                      params["per_seq_overhead_s"]])
+        graph = params.get("graph_overhead_s_per_layer")
+        if graph is None:       # a calibration of the earlier form: one overhead per graphed step
+            graph = params["graph_step_overhead_s"] / float(model.num_layers)
+        c = np.array([1.0 / params["attention_flops_efficiency"], graph,
+                      params["eager_overhead_s_per_layer"], params["per_seq_overhead_s"]])
         pred = np.maximum(q["weight_s"] / bw, q["flop_s"] / fl) + q["kv_s"] / bw \
             + _overhead_columns(q, True) @ c
         return rel_error_summary(pred, steps["time_s"].to_numpy(float))
@@ -176,8 +177,9 @@ def write_roofline_calibration(profile_dir, other_profile_dirs=(), out=None) -> 
         else:
             result["proposed"] = dict(entry, formula=(
                 "t = max(weights/(bw*eff_bw), flops/(flops*eff_fl)) + kv_bytes/(bw*eff_bw) + "
-                "attention_flops/(flops*eff_attn) + [graphed] * graph_step_overhead_s + "
-                "[eager] * num_layers * eager_overhead_s_per_layer + per_seq_overhead_s * "
+                "attention_flops/(flops*eff_attn) + [graphed] * num_layers * "
+                "graph_overhead_s_per_layer + [eager] * num_layers * eager_overhead_s_per_layer "
+                "+ per_seq_overhead_s * "
                 f"num_seqs; eager = any prefill token or more than {GRAPH_MAX_BATCH} decodes"))
     result["method"] = ("grid search (step 0.01) over bandwidth and FLOP efficiencies; attention "
                         "efficiency and overheads by non-negative least squares on relative "

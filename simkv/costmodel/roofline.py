@@ -24,10 +24,14 @@ class RooflineParams:
     per_seq_overhead_s: float = 2e-6      # host-side metadata per scheduled sequence
     host_link_efficiency: float = 0.80
     # The calibrated form: a decode-only step of at most `graph_max_batch` sequences replays a
-    # CUDA graph (one fixed overhead); any other step launches its kernels from the host, a cost
-    # per layer. When these are set they replace step_overhead_s.
-    graph_step_overhead_s: Optional[float] = None
+    # CUDA graph; any other step launches its kernels from the host. Both cost a fixed overhead
+    # per layer (the kernels' launch gaps and tails; a model with half the layers runs half the
+    # kernels). When these are set they replace step_overhead_s. `graph_step_overhead_s` (one
+    # overhead per graphed step whatever the layers) is the form of calibrations written before
+    # 2026-11-29's third profile; it is used when `graph_overhead_s_per_layer` is absent.
+    graph_overhead_s_per_layer: Optional[float] = None
     eager_overhead_s_per_layer: Optional[float] = None
+    graph_step_overhead_s: Optional[float] = None
     graph_max_batch: int = 256
 
 
@@ -100,7 +104,10 @@ class RooflineCostModel:
             if p.eager_overhead_s_per_layer is None:
                 seconds += p.step_overhead_s
             elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens <= p.graph_max_batch:
-                seconds += p.graph_step_overhead_s or 0.0
+                if p.graph_overhead_s_per_layer is not None:
+                    seconds += p.graph_overhead_s_per_layer * self.num_layers
+                else:
+                    seconds += p.graph_step_overhead_s or 0.0
             else:
                 seconds += p.eager_overhead_s_per_layer * self.num_layers
             seconds += p.per_seq_overhead_s * len(plan.scheduled)
