@@ -55,19 +55,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import torch
     from simkv.core.specs import load_model
-    from simkv.gpu.executor import GpuExecutor
-    from simkv.gpu.profiler import _plan, _tokens
+    from simkv.gpu.profiler import _plan, _tokens, profiling_executor
 
     bs = 16
     model = load_model(args.model)
     rng = np.random.default_rng(0)
-    executor = GpuExecutor(model, 40_000, bs, num_host_blocks=0, device=args.device, seed=0,
-                           max_num_seqs=256, max_num_batched_tokens=8192,
-                           profile_memory=False)
-    with torch.inference_mode():
-        executor.caches.normal_()
+    executor = profiling_executor(model, 40_000, bs, args.device)
     tokens = _tokens(executor, rng)
     perm = rng.permutation(executor.num_blocks)
     plans = {"heavy": _plan(HEAVY, bs, perm, tokens), "light": _plan(LIGHT, bs, perm, tokens)}

@@ -49,16 +49,10 @@ def _decode_mixes(rng) -> dict:
 
 def measure(out: Path) -> None:
     import pandas as pd
-    import torch
     from simkv.core.specs import load_model
-    from simkv.gpu.executor import GpuExecutor
-    from simkv.gpu.profiler import _plan, _time, _tokens
+    from simkv.gpu.profiler import _plan, _time, _tokens, profiling_executor
 
-    ex = GpuExecutor(load_model(MODEL), 40_000, BLOCK_SIZE, num_host_blocks=0, device="cuda",
-                     seed=0, max_num_seqs=256, max_num_batched_tokens=8192,
-                     profile_memory=False)
-    with torch.inference_mode():
-        ex.caches.normal_()
+    ex = profiling_executor(load_model(MODEL), 40_000, BLOCK_SIZE, "cuda")
     out.mkdir(parents=True, exist_ok=True)
 
     rng = np.random.default_rng(0)
@@ -91,19 +85,16 @@ def _scan_items(tokens: int, decodes: int) -> list:
 def compare(folder: Path) -> None:
     import pandas as pd
     from simkv.costmodel import step_formula as SF
+    from simkv.costmodel.profiled import ProfiledCostModel
     from simkv.gpu.profile_design import features
 
-    fit = json.loads((ROOT / "profiles" / "h200" / MODEL / "fit.json").read_text())
-    lay = fit["layout"]
-    layout = SF.StepLayout(tuple(fit["token_knots"]), tuple(fit["graph_batch_sizes"]),
-                           **{k: tuple(v) if isinstance(v, list) else v for k, v in lay.items()
-                              if k not in ("token_knots", "graph_batch_sizes")})
-    coefs = fit["step"][str(BLOCK_SIZE)]
+    model = ProfiledCostModel.load(ROOT / "profiles" / "h200" / MODEL, block_size=BLOCK_SIZE)
+    layout = model.layout
 
     def predict(items) -> float:
         f = features([tuple(i) for i in items])
         f["graph"] = int(layout.is_graphed(f["num_prefill_tokens"], f["num_decode_seqs"]))
-        return SF.predict_step(coefs, f, layout, BLOCK_SIZE)
+        return SF.predict_step(model.coefs, f, layout, BLOCK_SIZE)
 
     scan = folder / "prefill_scan.csv"
     if scan.is_file():

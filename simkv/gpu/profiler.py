@@ -94,6 +94,20 @@ def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
     return _summary(times, walls)
 
 
+def profiling_executor(model, num_blocks: int, block_size: int, device, seed: int = 0):
+    """A GpuExecutor as the profiler times steps on it: the engine's graph sizes for
+    max_num_seqs MAX_NUM_SEQS and 8,192 batched tokens, no swap space, random K/V (never time
+    on zeros). The probes in benchmarks/ build theirs here too."""
+    import torch
+    from simkv.gpu.executor import GpuExecutor
+    executor = GpuExecutor(model, num_blocks, block_size, num_host_blocks=0, device=str(device),
+                           seed=seed, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=8192,
+                           profile_memory=False)
+    with torch.inference_mode():
+        executor.caches.normal_()
+    return executor
+
+
 def _tokens(executor, rng) -> list:
     """Random token ids, enough for the longest sequence of the design."""
     return rng.integers(0, executor.spec.vocab_size, MAX_CACHED_TOKENS + 65536).tolist()
@@ -349,7 +363,6 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     """
     import torch
     from simkv.core.specs import load_model, profiles_dir
-    from simkv.gpu.executor import GpuExecutor
 
     started = time.perf_counter()
     model = load_model(model_name)
@@ -380,17 +393,13 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
             break
         bs_start = time.perf_counter()
         num_blocks = -(-max_tokens // bs) + max_seqs + 16
-        executor = GpuExecutor(model, num_blocks, bs, num_host_blocks=0, device=str(dev),
-                               seed=seed, max_num_seqs=MAX_NUM_SEQS,
-                               max_num_batched_tokens=8192, profile_memory=False)
+        executor = profiling_executor(model, num_blocks, bs, dev, seed)
         dtype = executor.dtype
         graph_sizes = executor.steps.decode_buckets() if executor.use_graphs else []
         mixed_sizes = executor.steps.mixed_buckets() if executor.use_graphs else []
         if executor.attention == "triton":
             from simkv.gpu import kernels
             tile = kernels.decode_config(bs, model.head_dim, dtype).tile
-        with torch.inference_mode():
-            executor.caches.normal_()          # random K/V: never time on zeros
         if "steps" in parts:
             data["steps"] += profile_block_size(executor, points, rng, reps, log)
         if "transfers" in parts:
