@@ -25,13 +25,7 @@ from simkv.gpu.tokens import prompt_token_ids  # noqa: E402
 PREFIX_BLOCK = 8   # tokens per trace prefix id
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny tensors: thread start-up costs far more than the work (10x slower with 2 threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def workload(arrivals=None, cancel_after_s=None) -> pd.DataFrame:

@@ -31,12 +31,7 @@ workload: {trace: trace.csv, format: csv, time_scale: 0.5, limit: 10}
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def write_scenario(folder, scenario_text=SCENARIO):
