@@ -108,6 +108,16 @@ def test_host_blocks_are_swap_space_divided_by_block_bytes():
     assert sizing(cache=CacheConfig(swap_space_gib=4)).num_host_blocks == 4 * GIB // (2 * MIB) == 2048
 
 
+def test_swap_mode_reserves_the_device_staging_of_two_swap_chunks(profiles):
+    write_ledger(profiles)
+    recompute = sizing(cache=CacheConfig(preemption_mode="recompute"))
+    swap = sizing(cache=CacheConfig(preemption_mode="swap"))
+    assert swap.other_bytes - recompute.other_bytes == 512 * MIB
+    assert swap.ledger["swap_staging_bytes"] == 512 * MIB
+    assert "swap_staging_bytes" not in recompute.ledger
+    assert recompute.num_blocks - swap.num_blocks == 512 * MIB // recompute.bytes_per_block
+
+
 def test_estimated_activation_grows_with_the_token_budget(monkeypatch):
     monkeypatch.setattr("simkv.core.sizing.read_profile_ledger", lambda model, gpu: None)
     small = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=2048))

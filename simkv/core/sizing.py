@@ -55,6 +55,13 @@ LOGITS_DTYPE_BYTES = 4
 CUDA_CONTEXT_BYTES = 768 * MIB
 CUDA_GRAPH_POOL_BYTES = 464 * MIB
 ALLOCATOR_SLACK_BYTES = 256 * MIB
+# Swap mode: a swap moves its blocks through device staging tensors of at most this many bytes
+# per chunk (simkv.gpu.swap), and two chunks can be alive at once (the next gather while the
+# previous chunk's copy to the host is in flight). The H200 tight-budget runs measured the swap
+# engine's peak 512 MiB above the recompute engine's (profiles/h200/llama-3.1-8b/validation,
+# azure-conv-tight-{swap,recompute}-bs16, realtime/ledger.json), so sizing reserves both chunks.
+SWAP_STAGING_CHUNK_BYTES = 256 * MIB
+SWAP_STAGING_CHUNKS = 2
 
 PROFILE_LEDGER_KEYS = (
     "weights_bytes",
@@ -183,6 +190,9 @@ def size_pool(
         }
         other = sum(other_parts.values())
         ledger_file = None
+    if cache.preemption_mode == "swap":
+        other_parts["swap_staging_bytes"] = SWAP_STAGING_CHUNKS * SWAP_STAGING_CHUNK_BYTES
+        other += other_parts["swap_staging_bytes"]
 
     kv_pool = budget - weights - activation - other
     if cache.num_gpu_blocks_override is not None:

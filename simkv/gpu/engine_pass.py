@@ -42,8 +42,9 @@ def engine_workload(num_requests: int, seed: int):
 
 
 def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
-                        gpu: str = "h200", max_num_seqs: int = 256) -> list:
-    """Rows for engine_host.csv: the engine's time per step outside the executor's span."""
+                        gpu: str = "h200", max_num_seqs: int = 256) -> tuple:
+    """(rows for engine_host.csv: the engine's time per step outside the executor's span,
+    the serving engine's memory ledger after the run: `MemoryLedger.report` without stages)."""
     from simkv.core.config import load_scenario
     from simkv.gpu.engine import Engine
     from simkv.sim.setup import requests_from_frame
@@ -69,11 +70,15 @@ def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
                      "num_decode_tokens": int(r.num_decode_tokens),
                      "preempted": int(r.preempted), "duration_s": _sig(r.duration_s),
                      "exec_s": _sig(r.exec_s), "outside_s": _sig(r.duration_s - r.exec_s)})
-    log(f"  engine pass: {len(rows)} steps in {time.perf_counter() - t0:.0f} s")
-    del engine
+    ex = engine.executor
+    ledger = {k: v for k, v in ex.ledger.report(ex.weight_bytes, ex.kv_pool_bytes, int(
+        ex.profile.get("peak_bytes", 0))).items() if k != "stages"}
+    log(f"  engine pass: {len(rows)} steps in {time.perf_counter() - t0:.0f} s; allocator slack "
+        f"at the serving peak {ledger['unattributed_bytes'] / 2**30:.2f} GiB")
+    del engine, ex
     gc.collect()
     torch.cuda.empty_cache()
-    return rows
+    return rows, ledger
 
 
 def _sig(x: float) -> str:

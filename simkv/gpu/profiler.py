@@ -193,8 +193,14 @@ def profile_transfers(executor, rng, reps: int, max_bytes: float, log) -> tuple:
 # Memory ledger
 
 
-def measure_ledger(executor, model, token_counts, log) -> tuple:
-    """(ledger dict for ledger.json, rows for memory.csv) from a block-size-16 executor."""
+def measure_ledger(executor, model, token_counts, log, serving: dict | None = None) -> tuple:
+    """(ledger dict for ledger.json, rows for memory.csv) from a block-size-16 executor.
+
+    `serving`: the engine pass's ledger (a serving engine after its run). When given, `other`
+    is made of its parts (graph pool, memory outside PyTorch, persistent tensors, allocator
+    slack at the serving peak); the profiling executor's, measured after a grid of very varied
+    shapes, stay beside them as `grid_other_parts` (its slack was 0.7 GiB above a serving
+    engine's on the 8B: the tight-budget validation runs)."""
     import torch
     # The engine's ledger first: its run peak is the profiling grid's, not the sweep's below.
     report = executor.ledger.report(executor.weight_bytes, executor.kv_pool_bytes,
@@ -208,19 +214,22 @@ def measure_ledger(executor, model, token_counts, log) -> tuple:
     peaks = np.array([points[int(t)] for t in tokens], dtype=float)
     slope, base = np.polyfit(tokens, peaks, 1) if len(tokens) > 1 else (0.0, peaks[0])
     slope, base = max(0.0, float(slope)), max(0.0, float(base))
-    slack = max(0, report["unattributed_bytes"])
-    other_parts = {
-        "cuda_graph_pool_bytes": report["graph_pool_bytes"],
-        "non_torch_bytes": report["non_torch_bytes"],
-        "persistent_other_bytes": report["persistent_other_bytes"],
-        "allocator_slack_bytes": int(slack),
-    }
+    def parts_of(rep: dict) -> dict:
+        return {"cuda_graph_pool_bytes": int(rep["graph_pool_bytes"]),
+                "non_torch_bytes": int(rep["non_torch_bytes"]),
+                "persistent_other_bytes": int(rep["persistent_other_bytes"]),
+                "allocator_slack_bytes": int(max(0, rep["unattributed_bytes"]))}
+    grid_parts = parts_of(report)
+    other_parts = parts_of(serving) if serving else grid_parts
     ledger = {
         "weights_bytes": int(executor.weight_bytes),
         "activation_bytes_per_batched_token": round(slope, 1),
         "activation_base_bytes": int(base),
         "other_bytes": int(sum(other_parts.values())),
         "other_parts": other_parts,
+        "other_source": ("the engine pass: a serving engine's ledger after its run" if serving
+                         else "the profiling executor after the step grid"),
+        "grid_other_parts": grid_parts,
         "activation_points": [[int(t), int(p)] for t, p in zip(tokens, peaks)],
         "measured_with": {"block_size": executor.block_size, "max_num_seqs": MAX_NUM_SEQS,
                           "max_model_len": executor.max_model_len,
@@ -233,6 +242,7 @@ def measure_ledger(executor, model, token_counts, log) -> tuple:
                  "pool + memory outside PyTorch (CUDA context, cuBLAS, Triton modules) + "
                  "persistent small tensors + allocator slack at the peak"),
         "engine_ledger": {k: v for k, v in report.items() if k != "stages"},
+        "serving_ledger": serving,
     }
     ledger["estimate_comparison"] = _estimate_comparison(model, ledger)
     torch.cuda.empty_cache()
@@ -380,11 +390,16 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     out = Path(out_dir) if out_dir is not None else None
     smi_before = _nvidia_smi() if cuda else {}
     data = {"steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": [],
-            "engine": []}
+            "engine": [], "serving_ledger": None}
     graph_sizes, mixed_sizes, dtype, tile = [], [], None, None
     done, longest = [], 0.0
-    # The ledger's block size first: its allocator slack is measured with the process's first
-    # executor (an earlier one left 0.8-2 GiB more behind; docs/profiling.md).
+    # The engine pass first: the serving engine's memory (its allocator slack at the peak is what
+    # sizing subtracts) is measured with the process's first executor (a later one can find
+    # 0.8-2 GiB left behind by earlier ones; docs/profiling.md). Then the ledger's block size.
+    if "engine" in parts and cuda:
+        data["engine"], data["serving_ledger"] = measure_engine_host(
+            model, dev, seed, log, gpu=gpu_short_name(torch.cuda.get_device_name(dev)),
+            max_num_seqs=MAX_NUM_SEQS)
     block_sizes = sorted(block_sizes, key=lambda b: b != LEDGER_BLOCK_SIZE)
     for bs in block_sizes:
         if time_budget_s and done and time.perf_counter() - started + longest > time_budget_s:
@@ -416,7 +431,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
                                                rng.permutation(executor.num_blocks),
                                                _tokens(executor, rng)))
             data["ledger"], data["memory"] = measure_ledger(executor, model,
-                                                            (2048, 8192, 16384), log)
+                                                            (2048, 8192, 16384), log,
+                                                            data.get("serving_ledger"))
         del executor
         if cuda:
             gc.collect()       # the executor's graphs hold reference cycles
@@ -425,6 +441,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         done.append(bs)
         longest = max(longest, time.perf_counter() - bs_start)
         meta = _meta(model, dev, dtype, sorted(done), quick, graph_sizes, command, smi_before)
+        if data["engine"]:
+            meta["engine_pass"] = ENGINE_PASS_NOTE
         meta.update(parts=list(parts), decode_tile=tile, max_num_seqs=MAX_NUM_SEQS,
                     mixed_token_sizes=list(mixed_sizes),
                     max_model_len=model.max_position_embeddings,
@@ -432,11 +450,6 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         out = out or profiles_dir() / meta["gpu"] / model.name
         _write(out, meta, data)   # after every block size
         log(f"  {meta['profile_seconds']:.0f} s elapsed")
-    if "engine" in parts and cuda:
-        data["engine"] = measure_engine_host(model, dev, seed, log, gpu=meta["gpu"],
-                                             max_num_seqs=MAX_NUM_SEQS)
-        meta["engine_pass"] = ENGINE_PASS_NOTE
-        _write(out, meta, data)
     if cuda:
         meta["nvidia_smi_after"] = _nvidia_smi()
         _write(out, meta, data)
@@ -513,6 +526,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default=None)
     parser.add_argument("--time-budget-s", type=float, default=None)
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed rounds over the design (default 5; at most 3 for steps "
+                             "over 50 ms)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="comma-separated: " + ", ".join(PARTS))
     parser.add_argument("--fit", action="store_true", help="run `simkv fit` on the result")
@@ -520,10 +536,12 @@ def main(argv=None) -> int:
     sizes = tuple(int(b) for b in args.block_sizes.split(","))
     parts = tuple(p for p in args.parts.split(",") if p)
     unknown = [p for p in parts if p not in PARTS]
+    if args.reps is not None and args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)} (choose from {', '.join(PARTS)})")
     out = run_profile(args.model, sizes, args.out, args.quick, args.device,
-                      time_budget_s=args.time_budget_s, parts=parts)
+                      reps=args.reps, time_budget_s=args.time_budget_s, parts=parts)
     if args.fit and "steps" in parts:
         from simkv.costmodel.fit import fit_profile
         fit = fit_profile(out)

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from simkv.core.sizing import SWAP_STAGING_CHUNK_BYTES as STAGING_BYTES  # per chunk of a swap
+
 Caches = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]
-STAGING_BYTES = 256 << 20     # device staging per chunk of a swap
 
 
 @dataclass
