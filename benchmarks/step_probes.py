@@ -94,6 +94,7 @@ def compare(folder: Path) -> None:
     def predict(items) -> float:
         f = features([tuple(i) for i in items])
         f["graph"] = int(layout.is_graphed(f["num_prefill_tokens"], f["num_decode_seqs"]))
+        f["decode_contexts"] = [s + 1 for s, _, is_decode in items if is_decode]
         return SF.predict_step(model.coefs, f, layout, BLOCK_SIZE)
 
     scan = folder / "prefill_scan.csv"

@@ -25,6 +25,7 @@ travels with the repo, and `load_validation_scenario(path, data_dir)` reads it i
     python -m simkv.validate prepare SCENARIO... --data .valdata
     python -m simkv.validate measure SCENARIO... --data .valdata --out results/validation
     python -m simkv.validate compare SCENARIO --measured results/validation/NAME [--out JSON]
+        [--cost-model FIT_JSON]
 """
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--measured", required=True)
     p.add_argument("--out", default=None, help="JSON path (default profiles/<gpu>/<model>/"
                    "validation/<name>.json)")
+    p.add_argument("--cost-model", default=None, help="the scenario's cost_model instead "
+                   "(auto | profile | roofline | a fit.json, e.g. a profile measured beside "
+                   "this measurement)")
     args = parser.parse_args(argv)
     try:
         if args.verb == "prepare":
@@ -106,8 +110,14 @@ def main(argv=None) -> int:
             measure_many(args.scenarios, args.out, args.device, data_dir=args.data,
                          progress=args.progress)
         else:
-            result = compare_validation(args.measured, load_validation_scenario(args.scenario),
-                                        args.out)
+            scn = load_validation_scenario(args.scenario)
+            if args.cost_model is not None:
+                from simkv.core.config import with_overrides
+                choice = args.cost_model      # a path is taken from the working directory
+                if choice not in ("auto", "profile", "roofline"):
+                    choice = str(Path(choice).resolve())
+                scn = with_overrides(scn, {"cost_model": choice})
+            result = compare_validation(args.measured, scn, args.out)
             print(format_table([result]))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -243,6 +243,29 @@ def test_decode_tail_is_the_busiest_program_beyond_an_even_share_of_the_slots():
     assert old.decode_tail_tokens(128, 8192, 73216, True, 16) == 8192
 
 
+def test_decode_tail_in_launch_order_list_schedules_the_batch_on_group_slots():
+    layout = SF.StepLayout((1, 8), (1, 2, 4, 8, 16, 32, 64, 128, 256), sm_count=132,
+                          num_kv_heads=8, decode_tile=64, max_model_len=131072,
+                          decode_slots_per_sm=4.0)
+    # 128 decodes, unsplit: 8 programs each, 4 x 132 / 8 = 66 group slots;
+    # share = (127 x 512 + 8192) / 66 = 1109.33
+    short, total = [512] * 127, 127 * 512 + 8192
+    first = layout.decode_tail_tokens(128, 8192, total, True, 16, contexts=[8192] + short)
+    last = layout.decode_tail_tokens(128, 8192, total, True, 16, contexts=short + [8192])
+    # first: the long one starts at 0 and ends at 8192, the short ones finish around it
+    assert first == pytest.approx(8192 - total / 66, abs=0.01)
+    # last: 66 + 61 short ones fill the slots up to 1,024 (5 end at 512); the long one
+    # starts at 512 on the first slot that frees
+    assert last == pytest.approx(512 + 8192 - total / 66, abs=0.01)
+    # 10 x 1,000 tokens, graphed at 16: 128 programs split 5 ways (40 programs a sequence,
+    # 13 group slots): one wave of 256-token programs against a share of 10 x 256 / 13
+    assert layout.decode_tail_tokens(10, 1000, 10000, True, 16, contexts=[1000] * 10) \
+        == pytest.approx(256 - 2560 / 13, abs=0.01)
+    # a uniform batch that fills whole waves has no tail
+    assert layout.decode_tail_tokens(132, 1024, 132 * 1024, True, 16,
+                                      contexts=[1024] * 132) == 0.0
+
+
 def test_the_fit_takes_decode_slots_by_cross_validation_on_training_rows():
     from simkv.costmodel.fit import DECODE_SLOTS
     path = profiles_dir() / "h200" / "llama-3.1-8b" / "fit.json"

@@ -20,7 +20,7 @@ def coefs(scale: float) -> dict:
             "host_floor_s": 0.0, "host_floor_s_per_seq": 0.0}
 
 
-def write_fit(tmp_path, **changes) -> "Path":
+def write_fit(tmp_path, **changes):
     fit = {"format": "simkv-fit/1", "gpu": "h200", "model": "llama-3.1-8b", "kv_dtype": "bf16",
            "block_sizes": [16, 64], "token_knots": KNOTS, "graph_batch_sizes": [1, 2, 4, 8],
            "kv_bytes_per_token": 131072, "form": "base",
@@ -207,6 +207,8 @@ def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_compositio
     for point in design():
         f = features(point.items)
         f["graph"] = int(layout.is_graphed(f["num_prefill_tokens"], f["num_decode_seqs"]))
+        # the decode sequences in batch order, as the fit takes them from the design by id
+        f["decode_contexts"] = [s + 1 for s, _, is_decode in point.items if is_decode]
         expected = SF.predict_step(fit["step"]["32"], f, layout, 32)
         plan = plan_of(point.items)
         expected += SF.engine_host_seconds(fit.get("engine_host"), len(plan.scheduled),

@@ -57,7 +57,12 @@ STEP_COLUMNS = (
 TRANSFER_COLUMNS = ("block_size", "num_blocks", "bytes", "time_s")
 # form/sharing, simplest first: "shared" fits one linear-layer curve and one set of host terms
 # for all block sizes (only attention terms per block size); "per_block_size" fits all per size.
-CANDIDATES = ("base/shared", "batch/shared", "base/per_block_size", "batch/per_block_size")
+# Each with or without the eager steps' host floor ("/floor": t = max(device work, h0 + h_seq x
+# sequences)); without it is simpler (an 8B's eager steps are never host-bound, and a floor
+# fitted there explains device work instead).
+CANDIDATES = tuple(f"{form}{floor}" for form in ("base/shared", "batch/shared",
+                                                 "base/per_block_size", "batch/per_block_size")
+                   for floor in ("", "/floor"))
 HOLDOUT_EVERY = 5           # every 5th composition of each family (by design order) ...
 HOLDOUT_MIXED_ROW = 32      # ... and every mixed composition with this many decodes
 HOLDOUT_RULE = (f"per block size and family, in design order: every {HOLDOUT_EVERY}th composition "
@@ -197,6 +202,15 @@ def holdout_mask(steps: pd.DataFrame) -> np.ndarray:
 # Step features and prediction (shared with ProfiledCostModel)
 
 
+def with_decode_contexts(steps: pd.DataFrame) -> pd.DataFrame:
+    """`steps` with a `decode_contexts` column: each row's decode context lengths in batch order,
+    from the profiler's design by id (None for an id the design does not have: the tail then
+    takes the longest sequence first)."""
+    from simkv.gpu.profile_design import decode_contexts_by_id
+    lookup = decode_contexts_by_id()
+    return steps.assign(decode_contexts=[lookup.get(str(i)) for i in steps["id"]])
+
+
 def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
     """The row of the device-work design matrix for one step (a mapping of STEP_COLUMNS)."""
     n = f["num_prefill_tokens"] + f["num_decode_tokens"]
@@ -209,7 +223,8 @@ def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
         row += [ctx * w for w in hats(math.log2(max(b, 1)), LOG_BATCH_KNOTS, False)]
     else:
         row.append(ctx)
-    row += [layout.decode_tail_tokens(b, f["decode_max_context"], ctx, graph, block_size, mixed),
+    row += [layout.decode_tail_tokens(b, f["decode_max_context"], ctx, graph, block_size, mixed,
+                                      f.get("decode_contexts")),
             f["prefill_attention_pairs"], f["prefill_context_tokens"],
             f["num_decode_seqs"] + f["num_prefill_seqs"],
             float(b) if graph and mixed else 0.0,
@@ -247,7 +262,8 @@ def pack_step_coefs(c, h, form: str, token_knots) -> dict:
 
 def _design(df: pd.DataFrame, form: str, layout: StepLayout, block_size: int) -> tuple:
     """(device-work matrix, host-floor matrix, eager mask) of a frame of steps."""
-    rows = df[list(STEP_COLUMNS[2:-1])].to_dict("records")
+    columns = list(STEP_COLUMNS[2:-1]) + (["decode_contexts"] if "decode_contexts" in df else [])
+    rows = df[columns].to_dict("records")
     x = np.array([feature_row(r, form, layout, block_size) for r in rows], float)
     # T_lin never falls as tokens grow: fit its non-negative increments between knots
     # (column i = the weight on knots i and above); pack_step_coefs sums them back.
@@ -287,25 +303,25 @@ def _alternate(x, hx, t, eager, host, max_iter: int = 40) -> tuple:
     return best
 
 
-def _fit_rows(x, hx, t, eager) -> tuple:
+def _fit_rows(x, hx, t, eager, floor: bool = True) -> tuple:
     """(device-work coefficients, host-floor coefficients) of `t = max(x c, hx h)` for eager
     rows and `t = x c` for graphed ones, by alternating least squares from several starts (none,
     or the fastest 20, 40 or 60% of eager rows taken as host-bound); the start with the
-    smallest RMS relative error wins."""
+    smallest RMS relative error wins. Without `floor`, h = 0: `t = x c` for every row."""
     starts = [np.zeros(len(t), bool)]
-    if eager.any():
+    if eager.any() and floor:
         for q in (20, 40, 60):
             starts.append(eager & (t <= np.percentile(t[eager], q)))
     best = min((_alternate(x, hx, t, eager, host) for host in starts), key=lambda r: r[0])
     return best[1], best[2]
 
 
-def _cv_errors(x, hx, t, eager, fold) -> np.ndarray:
+def _cv_errors(x, hx, t, eager, fold, floor: bool = True) -> np.ndarray:
     """Relative errors of a deterministic CV_FOLDS-fold cross-validation (`fold` per row)."""
     err = np.empty(len(t))
     for k in range(CV_FOLDS):
         test = fold == k
-        c, h = _fit_rows(x[~test], hx[~test], t[~test], eager[~test])
+        c, h = _fit_rows(x[~test], hx[~test], t[~test], eager[~test], floor)
         err[test] = np.abs(_predict_rows(x[test], hx[test], eager[test], c, h) - t[test]) / t[test]
     return err
 
@@ -378,7 +394,7 @@ def fit_transfer(df: pd.DataFrame) -> dict:
 def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     """Fit the step model of every block size; choose the form by cross-validation on the
     training rows (the held-out rows are never seen before the final error)."""
-    steps = steps.reset_index(drop=True)
+    steps = with_decode_contexts(steps.reset_index(drop=True))
     held = holdout_mask(steps)
     layout = layout_from_meta(meta or {}, int((steps["num_prefill_tokens"]
                                                + steps["num_decode_tokens"]).max()))
@@ -390,12 +406,12 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     t_train = train["time_s"].to_numpy(float)
     cv = {}
     for name in CANDIDATES:
-        form, sharing = name.split("/")
+        form, sharing, *floor = name.split("/")
         # the decode kernel's concurrent programs per SM: the best of DECODE_SLOTS by CV
         for slots in DECODE_SLOTS:
             trial = replace(layout, decode_slots_per_sm=float(slots))
             x, hx, eager, rows, fold, _ = _joint_design(train, form, sharing, trial, block_sizes)
-            errs = _cv_errors(x, hx, t_train[rows], eager, fold)
+            errs = _cv_errors(x, hx, t_train[rows], eager, fold, bool(floor))
             score = {"median": round(float(np.median(errs)), 4),
                      "p95": round(float(np.percentile(errs, 95)), 4),
                      "rms": round(float(np.sqrt(np.mean(errs ** 2))), 4),
@@ -408,11 +424,11 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     # The simplest candidate whose CV RMS error is within 5% (relative) of the best one.
     best = min(v["rms"] for v in cv.values())
     chosen = next(n for n in CANDIDATES if cv[n]["rms"] <= best * 1.05 + 1e-12)
-    form, sharing = chosen.split("/")
+    form, sharing, *floor = chosen.split("/")
     layout = replace(layout, decode_slots_per_sm=float(cv[chosen]["decode_slots_per_sm"]))
 
     x, hx, eager, rows, _, unpack = _joint_design(train, form, sharing, layout, block_sizes)
-    c_all, h_all = _fit_rows(x, hx, t_train[rows], eager)
+    c_all, h_all = _fit_rows(x, hx, t_train[rows], eager, bool(floor))
     per_bs = {}
     pred = np.empty(len(steps))
     regime = np.empty(len(steps), dtype=object)
@@ -445,6 +461,7 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     return {
         "form": form,
         "sharing": sharing,
+        "host_floor": bool(floor),
         "block_sizes": block_sizes,
         "token_knots": token_knots,
         "batch_knots": list(BATCH_KNOTS) if FORMS[form] else [],
@@ -461,7 +478,8 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
                                      f"the design % {CV_FOLDS}) on training rows only; per "
                                      "candidate the decode_slots_per_sm of DECODE_SLOTS with "
                                      "the smallest RMS, then the simplest candidate within 5% "
-                                     "of the best RMS relative error",
+                                     "of the best RMS relative error (candidates simplest "
+                                     "first; '/floor': with the eager steps' host floor)",
                            "decode_slots_candidates": list(DECODE_SLOTS),
                            "candidates": list(CANDIDATES), "cv_error": cv, "chosen": chosen},
     }
@@ -512,7 +530,9 @@ def fit_profile(profile_dir, out=None) -> dict:
                        "num_seqs + c_prefill_row * N_eff * [prefill chunks] + (c_mixed + "
                        "c_mixed_seq * num_decode_seqs) * [graphed mixed] + c_eager * [eager]; "
                        "graphed step: t = G; eager step: "
-                       "t = max(G, host_floor + host_floor_per_seq * num_seqs); plus copies "
+                       "t = max(G, host_floor + host_floor_per_seq * num_seqs) (host_floor "
+                       "0 when the chosen form has none: t = G); decode_tail_tokens: the "
+                       "decode programs list-scheduled in batch order; plus copies "
                        "and swaps: c0 + c_block * blocks + c_byte * bytes"),
            "units": "seconds; token counts; pairs = causal query-key pairs",
            "source": {"dir": profile_dir.name, "steps_rows": int(len(steps)),

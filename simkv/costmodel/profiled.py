@@ -294,8 +294,10 @@ class ProfiledCostModel:
             longest = getattr(plan, "decode_max_context", 0)
             if not longest:          # plans that do not carry the feature: scan the batch
                 longest = max(s.start for s in plan.scheduled if s.is_decode) + 1
+            contexts = [s.start + 1 for s in plan.scheduled if s.is_decode]
             seconds += self._a_long * layout.decode_tail_tokens(
-                decodes, longest, plan.decode_context_tokens, graph, self.block_size, mixed)
+                decodes, longest, plan.decode_context_tokens, graph, self.block_size, mixed,
+                contexts if len(contexts) == decodes else None)
         seconds += self._a_pf * plan.prefill_attention_pairs
         seconds += self._a_ctx * plan.prefill_context_tokens
         seconds += self._c_seq * num_seqs

@@ -8,6 +8,7 @@ out beyond the plan's features (CUDA-graph sizes, the decode kernel's split rule
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import asdict, dataclass
 
@@ -107,9 +108,19 @@ class StepLayout:
         `mixed_tokens`: the step's tokens when it also has prefill chunks."""
         if not num_decode_seqs:
             return 0
-        tile = self.decode_tile
         if not self.sm_count:
             return max_context
+        splits = self.decode_splits(num_decode_seqs, max_context, graph, block_size, mixed_tokens)
+        return self.program_tokens(max_context, splits)
+
+    def program_tokens(self, context: int, splits: int) -> int:
+        """Context tokens one program of a sequence of `context` tokens reads (whole tiles)."""
+        tile = self.decode_tile
+        return -(-(-(-context // tile)) // splits) * tile
+
+    def decode_splits(self, num_decode_seqs: int, max_context: int, graph: bool,
+                      block_size: int, mixed_tokens: int = 0) -> int:
+        """Programs per sequence and KV head of the decode kernel (its split rule)."""
         if graph and mixed_tokens:
             batch = min(self.rows(mixed_tokens, True, True), self.max_num_seqs)
             width = -(-self.max_model_len // block_size) * block_size
@@ -119,17 +130,42 @@ class StepLayout:
         else:       # eager tables are padded to a multiple of 16 blocks
             batch = num_decode_seqs
             width = -(-max_context // (16 * block_size)) * 16 * block_size
-        splits = _num_splits(batch, self.num_kv_heads, width, tile, self.sm_count)
-        tiles = -(-max_context // tile)
-        return -(-tiles // splits) * tile
+        return _num_splits(batch, self.num_kv_heads, width, self.decode_tile, self.sm_count)
 
     def decode_tail_tokens(self, num_decode_seqs: int, max_context: int, context_tokens: int,
-                           graph: bool, block_size: int, mixed_tokens: int = 0) -> float:
-        """Context tokens the decode kernel's busiest program reads beyond an even share of the
-        batch's KV over the GPU's concurrent program slots (sm_count x decode_slots_per_sm):
-        the tail one long sequence adds when the rest of the batch cannot hide it. A uniform
-        batch that fills the slots has no tail (its time is the KV read); 127 short sequences
-        and one of 8,192 tokens wait for the long one's program."""
+                           graph: bool, block_size: int, mixed_tokens: int = 0,
+                           contexts=None) -> float:
+        """Context tokens by which the decode kernel's last program ends after an even share of
+        the batch's KV over the GPU's concurrent program slots (sm_count x
+        decode_slots_per_sm): the tail that long sequences add when the rest of the batch
+        cannot hide them. A uniform batch that fills the slots has no tail (its time is the KV
+        read); 127 short sequences and one of 8,192 tokens wait for the long one's program.
+
+        With `contexts` (the decode sequences' context lengths in batch order, the order the
+        kernel launches their programs in), the programs are list-scheduled on the slots in
+        that order: each starts on the slot that frees first, so a long sequence late in a
+        batch that oversubscribes the slots ends later than the same one first, and a batch
+        of uneven lengths leaves a ragged last wave. A sequence's kv_heads x splits programs
+        are equally long and launched together, so they move as one group over slots / group
+        "group slots" (exact when the group divides the slots). Without `contexts`, the
+        busiest program against the even share of the whole batch (the long one first)."""
+        if (contexts is not None and num_decode_seqs and self.decode_slots_per_sm
+                and self.sm_count):
+            splits = self.decode_splits(num_decode_seqs, max_context, graph, block_size,
+                                        mixed_tokens)
+            groups = max(1, round(self.decode_slots_per_sm * self.sm_count
+                                  / (self.num_kv_heads * splits)))
+            tile = self.decode_tile
+            span = tile * splits                  # context tokens per tile row of programs
+            programs = [(c + span - 1) // span * tile for c in contexts]
+            share = sum(programs) / groups
+            if len(programs) <= groups:          # one wave: every program starts at once
+                return max(0.0, max(programs) - share)
+            free = programs[:groups]              # the group slots' finishing times
+            heapq.heapify(free)
+            for program in programs[groups:]:
+                heapq.heapreplace(free, free[0] + program)
+            return max(0.0, max(free) - share)
         longest = self.longest_program_tokens(num_decode_seqs, max_context, graph, block_size,
                                               mixed_tokens)
         if not longest or not self.decode_slots_per_sm or not self.sm_count:
@@ -184,7 +220,8 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
         w = hats(math.log2(b), LOG_BATCH_KNOTS, False)
         seconds += sum(wi * ai for wi, ai in zip(w, a_dec)) * f["decode_context_tokens"]
     seconds += coefs.get("a_decode_longest_s_per_token", 0.0) * layout.decode_tail_tokens(
-        b, f["decode_max_context"], f["decode_context_tokens"], graph, block_size, mixed)
+        b, f["decode_max_context"], f["decode_context_tokens"], graph, block_size, mixed,
+        f.get("decode_contexts"))
     seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
     seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
     seconds += coefs["c_seq_s"] * seqs

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +133,18 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
         add(f"mixed/d24c1024/1x{total - 24}+p0", "mixed",
             _decode(24, 1024) + _chunks(1, total - 24, 0))
     return points
+
+
+@functools.lru_cache(maxsize=1)
+def decode_contexts_by_id() -> dict:
+    """id -> the composition's decode context lengths in batch order, for the full and the quick
+    grid: the order the decode kernel launches their programs in (the fit's in-order tail)."""
+    out = {}
+    for quick in (False, True):
+        for point in design(quick):
+            out.setdefault(point.id, tuple(s + 1 for s, _, is_decode in point.items
+                                           if is_decode))
+    return out
 
 
 def features(items) -> dict:
