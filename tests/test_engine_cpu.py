@@ -101,6 +101,18 @@ def test_recompute_preemption_leaves_greedy_tokens_unchanged(runs):
     assert run.tokens == runs["ample"].tokens
 
 
+def test_swap_mode_allocates_the_whole_host_swap_space_up_front():
+    from simkv.gpu.engine import Engine
+    swap = Engine(scenario(**CONFIGS["tight_swap"]), "cpu", dtype=torch.float64,
+                  attention="reference")
+    ex = swap.executor
+    assert ex.num_host_blocks > 0 and ex.swap_space is not None
+    assert ex.swap_space.num_blocks == ex.num_host_blocks
+    # recompute mode never swaps: no host space
+    assert Engine(scenario(**CONFIGS["tight_recompute"]), "cpu", dtype=torch.float64,
+                  attention="reference").executor.swap_space is None
+
+
 def test_swap_preemption_leaves_greedy_tokens_unchanged(runs):
     run = runs["tight_swap"]
     assert run.preemptions > 0

@@ -109,6 +109,8 @@ class Engine:
             raise ValueError("the executor's cache does not match the scenario's pool")
         if poison is not None:
             executor.poison = poison
+        if scenario.cache.preemption_mode == "swap":
+            executor.reserve_swap_space()
         self.executor = executor
         self.recorder = MetricsRecorder(kv.num_blocks, block_size)
         self.check_integrity = check_integrity
