@@ -102,6 +102,9 @@ def main(argv=None) -> int:
                    "(auto | profile | roofline | a fit.json, e.g. a profile measured beside "
                    "this measurement)")
     args = parser.parse_args(argv)
+    if args.verb == "compare" and args.cost_model is not None and args.out is None:
+        parser.error("--cost-model needs --out (the default path holds the comparison with "
+                     "the scenario's own cost model)")
     try:
         if args.verb == "prepare":
             for path in args.scenarios:

@@ -4,6 +4,7 @@ Synthetic profiles are generated from known coefficients over the profiler's own
 so the fit must give those coefficients back; the committed H200 profiles must refit to their
 committed fit.json.
 """
+import dataclasses
 import json
 from pathlib import Path
 
@@ -246,7 +247,7 @@ def test_decode_tail_is_the_busiest_program_beyond_an_even_share_of_the_slots():
 def test_decode_tail_in_launch_order_list_schedules_the_batch_on_group_slots():
     layout = SF.StepLayout((1, 8), (1, 2, 4, 8, 16, 32, 64, 128, 256), sm_count=132,
                           num_kv_heads=8, decode_tile=64, max_model_len=131072,
-                          decode_slots_per_sm=4.0)
+                          decode_slots_per_sm=4.0, decode_tail_in_order=True)
     # 128 decodes, unsplit: 8 programs each, 4 x 132 / 8 = 66 group slots;
     # share = (127 x 512 + 8192) / 66 = 1109.33
     short, total = [512] * 127, 127 * 512 + 8192
@@ -264,6 +265,13 @@ def test_decode_tail_in_launch_order_list_schedules_the_batch_on_group_slots():
     # a uniform batch that fills whole waves has no tail
     assert layout.decode_tail_tokens(132, 1024, 132 * 1024, True, 16,
                                       contexts=[1024] * 132) == 0.0
+    # contexts that do not cover every decode, or a layout fitted without the in-order tail
+    # (an older fit), take the long sequence first
+    share_form = layout.decode_tail_tokens(128, 8192, total, True, 16)
+    assert layout.decode_tail_tokens(128, 8192, total, True, 16, contexts=short) == share_form
+    older = dataclasses.replace(layout, decode_tail_in_order=False)
+    assert older.decode_tail_tokens(128, 8192, total, True, 16, contexts=short + [8192]) \
+        == share_form == pytest.approx(first, abs=1e-9)
 
 
 def test_the_fit_takes_decode_slots_by_cross_validation_on_training_rows():

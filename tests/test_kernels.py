@@ -204,6 +204,28 @@ def test_swap_out_then_in_restores_blocks_in_any_host_order(stacked, chunk_block
     assert torch.equal(stack[:, :, [2, 3, 9]], original[:, :, [2, 3, 9]])
 
 
+def test_a_swap_out_releases_each_chunk_before_gathering_the_next(monkeypatch):
+    # sizing reserves the staging of one chunk's gather (two chunk-sized tensors); an earlier
+    # chunk still referenced while the next is gathered would hold a third
+    import weakref
+    from simkv.gpu import swap
+    monkeypatch.setattr(swap, "STAGING_BYTES", 2 * 3 * 2 * 4 * 2 * 16 * 4)   # 2 blocks a chunk
+    gathered, alive_at_gather = [], []
+    real_gather = swap._gather
+
+    def tracking_gather(caches, ids):
+        alive_at_gather.append(sum(ref() is not None for ref in gathered))
+        out = real_gather(caches, ids)
+        gathered.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(swap, "_gather", tracking_gather)
+    stack = torch.randn(3, 2, 10, 4, 2, 16).to(DEVICE)
+    space = HostSwapSpace.allocate(8, stack)
+    swap_out(stack, space, [(d, h) for h, d in enumerate(range(7))])
+    assert len(gathered) == 4 and alive_at_gather == [0, 0, 0, 0]
+
+
 def test_decode_writes_into_caller_buffers():
     # what CUDA-graph capture needs: preallocated out and workspace, no allocation inside
     from simkv.gpu.kernels import decode_workspace_numel

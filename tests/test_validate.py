@@ -98,6 +98,18 @@ def test_comparing_writes_a_well_formed_json_with_finite_errors(measured, tmp_pa
         assert 0 < (tmp_path / name).stat().st_size <= 100_000
 
 
+def test_compare_takes_another_cost_model_only_into_a_file_of_its_own(measured, tmp_path,
+                                                                      capsys):
+    from simkv.validate import main
+    path, out = measured
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(path), "--measured", str(out), "--cost-model", "roofline"])
+    assert e.value.code == 2 and "--cost-model needs --out" in capsys.readouterr().err
+    assert main(["compare", str(path), "--measured", str(out), "--cost-model", "roofline",
+                 "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["cost_model"].startswith("roofline")
+
+
 def test_comparing_refuses_requests_other_than_those_measured(measured):
     path, out = measured
     from simkv.core.config import load_scenario

@@ -56,10 +56,11 @@ CUDA_CONTEXT_BYTES = 768 * MIB
 CUDA_GRAPH_POOL_BYTES = 464 * MIB
 ALLOCATOR_SLACK_BYTES = 256 * MIB
 # Swap mode: a swap moves its blocks through device staging tensors of at most this many bytes
-# per chunk (simkv.gpu.swap), and two chunks can be alive at once (the next gather while the
-# previous chunk's copy to the host is in flight). The H200 tight-budget runs measured the swap
-# engine's peak 512 MiB above the recompute engine's (profiles/h200/llama-3.1-8b/validation,
-# azure-conv-tight-{swap,recompute}-bs16, realtime/ledger.json), so sizing reserves both chunks.
+# per chunk (simkv.gpu.swap); gathering a chunk holds two at once (the selected blocks and their
+# block-major copy), and each chunk is released before the next one. The H200 tight-budget runs
+# measured the swap engine's peak 512 MiB above the recompute engine's (profiles/h200/
+# llama-3.1-8b/validation, azure-conv-tight-{swap,recompute}-bs16, realtime/ledger.json), so
+# sizing reserves two chunks.
 SWAP_STAGING_CHUNK_BYTES = 256 * MIB
 SWAP_STAGING_CHUNKS = 2
 

@@ -7,10 +7,11 @@ The device work of a forward step of N batched tokens on a given block size (sec
                                                       in between
       + a_dec(B) * decode_context_tokens              decode attention (KV read); a_dec one
                                                       value, or interpolated between batch knots
-      + a_long * decode_tail_tokens                   decode kernel's busiest program (the
-                                                      longest sequence / its splits) beyond an
-                                                      even share of the batch's KV over the
-                                                      GPU's program slots (StepLayout)
+      + a_long * decode_tail_tokens                   when the decode kernel's last program
+                                                      ends beyond an even share of the batch's
+                                                      KV over the GPU's program slots, its
+                                                      programs list-scheduled in batch order
+                                                      (StepLayout.decode_tail_tokens)
       + a_pf  * prefill_attention_pairs               prefill attention work (causal q-k pairs)
       + a_ctx * prefill_context_tokens                prefill attention's KV read
       + c_seq * num_seqs                              per-sequence input building, sampling
@@ -24,11 +25,14 @@ The device work of a forward step of N batched tokens on a given block size (sec
       + c_eager * [step runs eagerly]
 
 N_eff is N, or the CUDA-graph size a graphed step is padded to: the batch size of a decode-only
-step, the token count of a step with prefill chunks (StepLayout). A graphed step takes G. An eager step launches every kernel from Python, so when its device work is small the host
-is the bottleneck: it takes max(G, h0 + h_seq * num_seqs). The attention terms are fitted per
-block size; T_lin and the host terms either per block size or shared by all of them, whichever
-cross-validates better (CANDIDATES). Fitting is non-negative least squares on relative error,
-alternating between the two regimes of eager steps. Block copies and host<->device swaps are
+step, the token count of a step with prefill chunks (StepLayout). A graphed step takes G. An
+eager step launches every kernel from Python, so when its device work is small the host can be
+the bottleneck: with a host floor it takes max(G, h0 + h_seq * num_seqs), without one G. The
+attention terms are fitted per block size; T_lin and the host terms either per block size or
+shared by all of them, the decode cost per token one value or interpolated over the batch, and
+the host floor in or out, whichever cross-validates better (CANDIDATES, simplest first).
+Fitting is non-negative least squares on relative error, alternating between the two regimes
+of eager steps when there is a floor. Block copies and host<->device swaps are
 fitted separately as `c0 + c_block * blocks + c_byte * bytes`.
 
 Held-out step compositions are chosen by a rule on the design (never on measured times) before
@@ -204,11 +208,19 @@ def holdout_mask(steps: pd.DataFrame) -> np.ndarray:
 
 def with_decode_contexts(steps: pd.DataFrame) -> pd.DataFrame:
     """`steps` with a `decode_contexts` column: each row's decode context lengths in batch order,
-    from the profiler's design by id (None for an id the design does not have: the tail then
-    takes the longest sequence first)."""
+    from the profiler's design by id, kept only where they agree with the row's own features
+    (count, total and longest context); None otherwise (an id the design does not have, or a
+    composition changed under its id): the tail then takes the longest sequence first."""
     from simkv.gpu.profile_design import decode_contexts_by_id
     lookup = decode_contexts_by_id()
-    return steps.assign(decode_contexts=[lookup.get(str(i)) for i in steps["id"]])
+    contexts = []
+    for row in steps[["id", "num_decode_seqs", "decode_context_tokens",
+                      "decode_max_context"]].itertuples(index=False):
+        found = lookup.get(str(row.id))
+        agrees = found is not None and (len(found), sum(found), max(found, default=0)) == (
+            int(row.num_decode_seqs), int(row.decode_context_tokens), int(row.decode_max_context))
+        contexts.append(found if agrees else None)
+    return steps.assign(decode_contexts=contexts)
 
 
 def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
@@ -396,8 +408,9 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     training rows (the held-out rows are never seen before the final error)."""
     steps = with_decode_contexts(steps.reset_index(drop=True))
     held = holdout_mask(steps)
-    layout = layout_from_meta(meta or {}, int((steps["num_prefill_tokens"]
-                                               + steps["num_decode_tokens"]).max()))
+    layout = replace(layout_from_meta(meta or {}, int((steps["num_prefill_tokens"]
+                                                       + steps["num_decode_tokens"]).max())),
+                     decode_tail_in_order=True)
     token_knots = list(layout.token_knots)
     block_sizes = sorted(int(b) for b in steps["block_size"].unique())
     t_all = steps["time_s"].to_numpy(float)

@@ -167,6 +167,8 @@ class ProfiledCostModel:
                 raise InputError(f"{path}: key 'layout.decode_slots_per_sm' must be >= 0, got "
                                  f"{slots:g}")
             fields["decode_slots_per_sm"] = slots
+        if layout.get("decode_tail_in_order"):
+            fields["decode_tail_in_order"] = True
         if layout.get("mixed_token_sizes"):
             fields["mixed_token_sizes"] = tuple(sorted(int(t) for t in _numbers(
                 layout["mixed_token_sizes"], "layout.mixed_token_sizes", path)))
@@ -294,10 +296,11 @@ class ProfiledCostModel:
             longest = getattr(plan, "decode_max_context", 0)
             if not longest:          # plans that do not carry the feature: scan the batch
                 longest = max(s.start for s in plan.scheduled if s.is_decode) + 1
-            contexts = [s.start + 1 for s in plan.scheduled if s.is_decode]
+            contexts = ([s.start + 1 for s in plan.scheduled if s.is_decode]
+                        if layout.decode_tail_in_order else None)
             seconds += self._a_long * layout.decode_tail_tokens(
                 decodes, longest, plan.decode_context_tokens, graph, self.block_size, mixed,
-                contexts if len(contexts) == decodes else None)
+                contexts)
         seconds += self._a_pf * plan.prefill_attention_pairs
         seconds += self._a_ctx * plan.prefill_context_tokens
         seconds += self._c_seq * num_seqs

@@ -78,6 +78,8 @@ class StepLayout:
     max_num_seqs: int = 256      # a mixed graph of T tokens has min(T, max_num_seqs) decode rows
     decode_slots_per_sm: float = 0.0   # decode programs an SM runs at once (0: count the whole
                                        # busiest program, as fits before this field did)
+    decode_tail_in_order: bool = False  # list-schedule the batch's programs in launch order
+                                        # (fits from 2026-11-29's fourth profile on)
 
     def mixed_size(self, num_tokens: int) -> int:
         """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
@@ -147,9 +149,11 @@ class StepLayout:
         batch that oversubscribes the slots ends later than the same one first, and a batch
         of uneven lengths leaves a ragged last wave. A sequence's kv_heads x splits programs
         are equally long and launched together, so they move as one group over slots / group
-        "group slots" (exact when the group divides the slots). Without `contexts`, the
-        busiest program against the even share of the whole batch (the long one first)."""
-        if (contexts is not None and num_decode_seqs and self.decode_slots_per_sm
+        "group slots" (exact when the group divides the slots). Only for a layout with
+        `decode_tail_in_order` (a fit made with it) and contexts for every decode; otherwise
+        the busiest program against the even share of the whole batch (the long one first)."""
+        if (self.decode_tail_in_order and contexts is not None and num_decode_seqs
+                and len(contexts) == num_decode_seqs and self.decode_slots_per_sm
                 and self.sm_count):
             splits = self.decode_splits(num_decode_seqs, max_context, graph, block_size,
                                         mixed_tokens)

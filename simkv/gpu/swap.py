@@ -129,6 +129,10 @@ def swap_out(caches: Caches, swap_space: HostSwapSpace, mapping) -> None:
         staging = _gather(caches, chunk[:, 0].to(device))
         for pos, host_start, length in _host_runs(chunk[:, 1]):
             swap_space.blocks[host_start : host_start + length].copy_(staging[pos : pos + length], non_blocking=non_blocking)
+        # Released before the next chunk's gather (the copies are queued on this stream, so the
+        # allocator hands the memory out again only to later work): at most the two chunks of
+        # one gather are alive, which sizing reserves (SWAP_STAGING_CHUNKS).
+        del staging
 
 
 def swap_in(caches: Caches, swap_space: HostSwapSpace, mapping) -> None:
@@ -142,3 +146,4 @@ def swap_in(caches: Caches, swap_space: HostSwapSpace, mapping) -> None:
         for pos, host_start, length in _host_runs(chunk[:, 1]):
             staging[pos : pos + length].copy_(blocks[host_start : host_start + length], non_blocking=non_blocking)
         _scatter(caches, chunk[:, 0].to(device), staging)
+        del staging       # before the next chunk's buffer (see swap_out)
