@@ -61,6 +61,20 @@ def test_predicts_a_prefill_step_from_its_terms(tmp_path):
     assert m.name == "profile:h200/llama-3.1-8b" and m.is_estimate is False
 
 
+def test_a_one_token_prefill_chunk_costs_what_the_executor_runs_it_as_a_decode_row(tmp_path):
+    # the executor runs every one-token item through the decode kernel: a full prefix hit's
+    # recomputed last token beside decodes is a decode graph, not a mixed or eager step
+    m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    as_chunk = plan_of([(99, 1, True), (255, 1, False), (99, 1, True)])
+    as_decode = plan_of([(99, 1, True), (255, 1, True), (99, 1, True)])
+    assert m.forward_seconds(as_chunk) == pytest.approx(m.forward_seconds(as_decode), rel=1e-12)
+    # with a longer chunk beside it, the step is mixed and the one-token item a decode row
+    with_chunk = plan_of([(0, 40, False), (255, 1, False)])
+    rows_as_decode = plan_of([(0, 40, False), (255, 1, True)])
+    assert m.forward_seconds(with_chunk) == pytest.approx(m.forward_seconds(rows_as_decode),
+                                                          rel=1e-12)
+
+
 def test_a_decode_batch_runs_as_a_graph_padded_to_its_bucket(tmp_path):
     m = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
     plan = plan_of([(99, 1, True)] * 3)                # 3 decodes -> graph of 4, no eager cost

@@ -264,14 +264,30 @@ class ProfiledCostModel:
 
     # -- the model ----------------------------------------------------------------------------
     def forward_seconds(self, plan) -> float:
-        """Seconds of the forward pass of `plan` (no copies or swaps)."""
+        """Seconds of the forward pass of `plan` (no copies or swaps).
+
+        Steps are laid out as the executor lays them out (simkv.gpu.executor): every item of one
+        token is a decode-kernel row, a one-token prefill chunk too (a full prefix hit computes
+        the prompt's last token again), so such a chunk counts as a decode here."""
         tokens = plan.num_prefill_tokens + plan.num_decode_tokens
         if tokens == 0:
             return 0.0
+        prefill_tokens, prefill_seqs = plan.num_prefill_tokens, plan.num_prefill_seqs
+        decode_context = plan.decode_context_tokens
+        pairs, prefill_context = plan.prefill_attention_pairs, plan.prefill_context_tokens
+        longest = getattr(plan, "decode_max_context", 0)
+        if prefill_tokens:
+            ones = [s.start + 1 for s in plan.scheduled if s.num_tokens == 1 and not s.is_decode]
+            if ones:
+                k, context = len(ones), sum(ones)
+                prefill_tokens, prefill_seqs = prefill_tokens - k, prefill_seqs - k
+                decode_context += context
+                pairs, prefill_context = pairs - context, prefill_context - context
+                longest = max(longest, max(ones))
         num_seqs = len(plan.scheduled)
-        decodes = num_seqs - plan.num_prefill_seqs
+        decodes = num_seqs - prefill_seqs
         layout = self.layout
-        if plan.num_prefill_tokens:
+        if prefill_tokens:
             mixed = tokens
             rows = layout.mixed_size(tokens)
             graph = rows > 0
@@ -285,24 +301,22 @@ class ProfiledCostModel:
             seconds = self._linear_cache[rows] = self._linear(rows)
         a_dec = self._a_dec
         if len(a_dec) == 1:
-            seconds += a_dec[0] * plan.decode_context_tokens
+            seconds += a_dec[0] * decode_context
         elif decodes:
             per_token = self._a_dec_cache.get(decodes)
             if per_token is None:
                 w = hats(math.log2(decodes), LOG_BATCH_KNOTS, False)
                 per_token = self._a_dec_cache[decodes] = sum(wi * ai for wi, ai in zip(w, a_dec))
-            seconds += per_token * plan.decode_context_tokens
+            seconds += per_token * decode_context
         if self._a_long and decodes:
-            longest = getattr(plan, "decode_max_context", 0)
             if not longest:          # plans that do not carry the feature: scan the batch
-                longest = max(s.start for s in plan.scheduled if s.is_decode) + 1
-            contexts = ([s.start + 1 for s in plan.scheduled if s.is_decode]
+                longest = max(s.start for s in plan.scheduled if s.num_tokens == 1) + 1
+            contexts = ([s.start + 1 for s in plan.scheduled if s.num_tokens == 1]
                         if layout.decode_tail_in_order else None)
             seconds += self._a_long * layout.decode_tail_tokens(
-                decodes, longest, plan.decode_context_tokens, graph, self.block_size, mixed,
-                contexts)
-        seconds += self._a_pf * plan.prefill_attention_pairs
-        seconds += self._a_ctx * plan.prefill_context_tokens
+                decodes, longest, decode_context, graph, self.block_size, mixed, contexts)
+        seconds += self._a_pf * pairs
+        seconds += self._a_ctx * prefill_context
         seconds += self._c_seq * num_seqs
         if graph and mixed:
             seconds += self._c_mixed_seq * decodes + self._c_mixed
