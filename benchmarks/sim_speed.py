@@ -1,10 +1,14 @@
 """Simulator speed: simulated seconds per wall second on the whole shared Azure conv trace.
 
-    python benchmarks/sim_speed.py [--runs 3] [--profile] [--json OUT.json]
+    python benchmarks/sim_speed.py [--runs 3] [--profile] [--tail-ab N] [--json OUT.json]
 
 Each run is a whole `simkv run` process (start-up, trace loading, simulation and result writing
 included), timed from outside; the ratio is sim_duration_s / wall seconds. `--profile` then runs
 the simulation once in-process under cProfile and reports where the time goes, by component.
+`--tail-ab N` times, in one process and alternated N times, the first 6,000 requests at twice
+their rate (32 GiB) with the profile's fit as it is and with its decode tail taken the earlier
+way (the longest program against an even share, `decode_tail_in_order` off): the cost of the
+in-order tail as a ratio.
 """
 from __future__ import annotations
 
@@ -77,10 +81,38 @@ def profile_components(scenario: Path) -> dict:
     return {k: round(v / grand, 4) for k, v in totals.items()}
 
 
+def tail_ab(scenario: Path, repeats: int) -> dict:
+    """Wall seconds of the same simulation with the decode tail in launch order and without."""
+    import dataclasses
+    import statistics
+    import simkv
+    from simkv.costmodel import load_cost_model
+    from simkv.sim.engine import simulate
+    scn = simkv.load_scenario(scenario, {"workload.limit": 6000, "workload.time_scale": 0.5,
+                                         "cache.memory_budget_gib": 32,
+                                         "scheduler.max_model_len": 16384})
+    on = load_cost_model(scn)
+    off = load_cost_model(scn)
+    off.layout = dataclasses.replace(off.layout, decode_tail_in_order=False)
+    times = {"in_order": [], "even_share": []}
+    for _ in range(repeats):
+        for name, model in (("even_share", off), ("in_order", on)):
+            start = time.perf_counter()
+            simulate(scn, cost_model=model)
+            times[name].append(time.perf_counter() - start)
+    ratio = statistics.median(a / b for a, b in zip(times["in_order"], times["even_share"]))
+    shown = {k: ", ".join(f"{t:.2f}" for t in v) for k, v in times.items()}
+    print(f"\ndecode tail A/B ({repeats}x alternated): in order {shown['in_order']} s, even share "
+          f"{shown['even_share']} s; median ratio {ratio:.2f}")
+    return {"seconds": times, "median_ratio": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--tail-ab", type=int, default=0, metavar="N",
+                    help="also time the decode tail in order against the even-share tail")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     if not TRACE.exists():
@@ -94,9 +126,10 @@ def main() -> None:
         print(f"\nmedian {median:.0f}x real time, best {best['speedup']:.0f}x "
               f"({best['num_steps'] / best['wall_s']:.0f} steps/s) on {platform.processor() or platform.machine()}")
         shares = profile_components(scenario) if args.profile else None
+        ab = tail_ab(scenario, args.tail_ab) if args.tail_ab else None
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "median_speedup": median,
-                                         "profile_shares": shares,
+                                         "profile_shares": shares, "tail_ab": ab,
                                          "python": platform.python_version(),
                                          "machine": platform.machine(),
                                          "command": " ".join(sys.argv)}, indent=2) + "\n")
