@@ -64,9 +64,9 @@ TRANSFER_COLUMNS = ("block_size", "num_blocks", "bytes", "time_s")
 # Each with or without the eager steps' host floor ("/floor": t = max(device work, h0 + h_seq x
 # sequences)); without it is simpler (an 8B's eager steps are never host-bound, and a floor
 # fitted there explains device work instead).
-CANDIDATES = tuple(f"{form}{floor}" for form in ("base/shared", "batch/shared",
-                                                 "base/per_block_size", "batch/per_block_size")
-                   for floor in ("", "/floor"))
+FORM_SHARINGS = ("base/shared", "batch/shared", "base/per_block_size", "batch/per_block_size")
+FLOORS = ("", "/floor")
+CANDIDATES = tuple(f"{form}{floor}" for form in FORM_SHARINGS for floor in FLOORS)
 HOLDOUT_EVERY = 5           # every 5th composition of each family (by design order) ...
 HOLDOUT_MIXED_ROW = 32      # ... and every mixed composition with this many decodes
 HOLDOUT_RULE = (f"per block size and family, in design order: every {HOLDOUT_EVERY}th composition "
@@ -418,22 +418,25 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     train = steps[~held].reset_index(drop=True)
     t_train = train["time_s"].to_numpy(float)
     cv = {}
-    for name in CANDIDATES:
-        form, sharing, *floor = name.split("/")
-        # the decode kernel's concurrent programs per SM: the best of DECODE_SLOTS by CV
+    for form_sharing in FORM_SHARINGS:
+        form, sharing = form_sharing.split("/")
+        # the decode kernel's concurrent programs per SM: the best of DECODE_SLOTS by CV; one
+        # design per slot count serves the candidates with and without the host floor
         for slots in DECODE_SLOTS:
             trial = replace(layout, decode_slots_per_sm=float(slots))
             x, hx, eager, rows, fold, _ = _joint_design(train, form, sharing, trial, block_sizes)
-            errs = _cv_errors(x, hx, t_train[rows], eager, fold, bool(floor))
-            score = {"median": round(float(np.median(errs)), 4),
-                     "p95": round(float(np.percentile(errs, 95)), 4),
-                     "rms": round(float(np.sqrt(np.mean(errs ** 2))), 4),
-                     "decode_slots_per_sm": slots}
-            rms_by_slots = cv[name]["rms_by_decode_slots"] if name in cv else {}
-            rms_by_slots[str(slots)] = score["rms"]
-            if name not in cv or score["rms"] < cv[name]["rms"]:
-                cv[name] = score
-            cv[name]["rms_by_decode_slots"] = rms_by_slots
+            for floor in FLOORS:
+                name = form_sharing + floor
+                errs = _cv_errors(x, hx, t_train[rows], eager, fold, bool(floor))
+                score = {"median": round(float(np.median(errs)), 4),
+                         "p95": round(float(np.percentile(errs, 95)), 4),
+                         "rms": round(float(np.sqrt(np.mean(errs ** 2))), 4),
+                         "decode_slots_per_sm": slots}
+                rms_by_slots = cv[name]["rms_by_decode_slots"] if name in cv else {}
+                rms_by_slots[str(slots)] = score["rms"]
+                if name not in cv or score["rms"] < cv[name]["rms"]:
+                    cv[name] = score
+                cv[name]["rms_by_decode_slots"] = rms_by_slots
     # The simplest candidate whose CV RMS error is within 5% (relative) of the best one.
     best = min(v["rms"] for v in cv.values())
     chosen = next(n for n in CANDIDATES if cv[n]["rms"] <= best * 1.05 + 1e-12)

@@ -116,9 +116,10 @@ class StepLayout:
         return self.program_tokens(max_context, splits)
 
     def program_tokens(self, context: int, splits: int) -> int:
-        """Context tokens one program of a sequence of `context` tokens reads (whole tiles)."""
-        tile = self.decode_tile
-        return -(-(-(-context // tile)) // splits) * tile
+        """Context tokens one program of a sequence of `context` tokens reads: its share of the
+        sequence's tiles, in whole tiles (decode_tail_tokens inlines the same expression)."""
+        span = self.decode_tile * splits
+        return (context + span - 1) // span * self.decode_tile
 
     def decode_splits(self, num_decode_seqs: int, max_context: int, graph: bool,
                       block_size: int, mixed_tokens: int = 0) -> int:
@@ -160,7 +161,7 @@ class StepLayout:
             groups = max(1, round(self.decode_slots_per_sm * self.sm_count
                                   / (self.num_kv_heads * splits)))
             tile = self.decode_tile
-            span = tile * splits                  # context tokens per tile row of programs
+            span = tile * splits                  # program_tokens, inlined on the hot path
             programs = [(c + span - 1) // span * tile for c in contexts]
             share = sum(programs) / groups
             if len(programs) <= groups:          # one wave: every program starts at once
