@@ -364,11 +364,17 @@ def profile(
     out: Optional[Path] = typer.Option(None, "--out", help="Default profiles/<gpu>/<model>/."),
     quick: bool = typer.Option(False, "--quick", help="A few points (smoke test)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda (default) | cpu"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1,
+                                       help="Timed rounds over the design (default 5)."),
+    pin_cpu: Optional[int] = typer.Option(
+        None, "--pin-cpu", metavar="N",
+        help="Run pinned to CPU N (then validate with --pin-cpu too)."),
 ) -> None:
     """Measure step costs, transfers and the memory ledger on a GPU; writes raw CSVs."""
     sizes = _int_list(block_sizes, "--block-sizes")
     run_profile = _require("simkv.gpu.profiler", "run_profile", "profile")
-    path = run_profile(model, block_sizes=sizes, out_dir=out, quick=quick, device=device)
+    path = run_profile(model, block_sizes=sizes, out_dir=out, quick=quick, device=device,
+                       reps=reps, pin_cpu=pin_cpu)
     _console().print(f"profile written to {path}/")
 
 

@@ -24,6 +24,7 @@ travels with the repo, and `load_validation_scenario(path, data_dir)` reads it i
 
     python -m simkv.validate prepare SCENARIO... --data .valdata
     python -m simkv.validate measure SCENARIO... --data .valdata --out results/validation
+        [--pin-cpu N] [--no-trace]
     python -m simkv.validate compare SCENARIO --measured results/validation/NAME [--out JSON]
         [--cost-model FIT_JSON]
 """
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/validation")
     p.add_argument("--device", default="cuda")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--no-trace", action="store_true",
+                   help="leave trace.csv (the served rows of a shared trace) out")
+    p.add_argument("--pin-cpu", type=int, default=None, metavar="N",
+                   help="run pinned to CPU N (as a profile measured with --pin-cpu)")
     p = sub.add_parser("compare", help="CPU side: compare a measurement with the simulator")
     p.add_argument("scenario")
     p.add_argument("--measured", required=True)
@@ -111,7 +116,8 @@ def main(argv=None) -> int:
                 print(prepare_window(path, args.data) or f"{path}: synthetic, nothing to write")
         elif args.verb == "measure":
             measure_many(args.scenarios, args.out, args.device, data_dir=args.data,
-                         progress=args.progress)
+                         progress=args.progress, write_trace=not args.no_trace,
+                         pin_cpu=args.pin_cpu)
         else:
             scn = load_validation_scenario(args.scenario)
             if args.cost_model is not None:

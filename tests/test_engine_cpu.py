@@ -212,7 +212,7 @@ def test_mixed_steps_too_large_for_a_graph_run_eagerly():
     assert steps.mixed_bucket(1, 3, 17) == 32
     assert steps.mixed_bucket(1, 3, 33) is None
     assert steps.mixed_bucket(9, 0, 20) is None       # more chunks than the capacity (8)
-    assert launch_policy.MIXED_TOKEN_SIZES[-1] == 1024
+    assert launch_policy.MIXED_TOKEN_SIZES[-1] == 2048
 
 
 def test_equal_prefix_ids_give_equal_tokens_and_the_rest_is_the_requests_own():
@@ -295,3 +295,44 @@ def test_triton_path_matches_the_reference_under_the_interpreter():
     graphed = run_offline(scn, frame, executor=executor, poison=True)
     assert executor.num_mixed_graph_steps > 0
     assert graphed.tokens == ref.tokens
+
+
+def test_garbage_collection_is_held_off_inside_a_step_and_the_run_heap_frozen():
+    # an automatic collection inside a host-bound eager step stalls its launches
+    # (simkv.gpu.host); it is held off for the step and restored after, and the engine freezes
+    # the heap alive before a run (unfrozen when it ends)
+    import gc
+    from simkv.gpu.engine import Engine
+    engine = Engine(scenario(), "cpu", dtype=torch.float64, attention="reference")
+    ex = engine.executor
+    seen = []
+    forward = ex.model.forward
+
+    def watched(*args, **kwargs):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return forward(*args, **kwargs)
+
+    ex.model.forward = watched
+    assert gc.isenabled()
+    engine.run(requests_from_frame(workload()), realtime=False)
+    assert seen and all(enabled is False and frozen for enabled, frozen in seen)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()            # a caller's own choice survives a step
+    try:
+        engine.executor.execute(engine.scheduler.schedule(0.0))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_pinning_to_a_cpu_outside_the_allowed_set_is_a_clear_error():
+    from simkv.errors import InputError
+    from simkv.gpu.host import host_conditions, pin_to_cpu
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this system")
+    allowed = os.sched_getaffinity(0)
+    with pytest.raises(InputError, match="--pin-cpu"):
+        pin_to_cpu(max(allowed) + 1000)
+    pin_to_cpu(None)
+    assert os.sched_getaffinity(0) == allowed
+    assert host_conditions()["cpus_allowed"] == len(allowed)

@@ -75,7 +75,7 @@ HOLDOUT_RULE = (f"per block size and family, in design order: every {HOLDOUT_EVE
 CV_FOLDS = 5
 # Candidate decode programs resident per SM (StepLayout.decode_slots_per_sm; 0: the busiest
 # program counts in full); the fit takes the one that cross-validates best for each form.
-DECODE_SLOTS = (0, 2, 3, 4, 6, 8)
+DECODE_SLOTS = (0, 2, 3, 4, 5, 6, 7, 8)
 SIG_DIGITS = 6
 
 

@@ -116,8 +116,9 @@ class ProfiledCostModel:
         if self.graph_batch_sizes:
             self.graph_batch_sizes = decode_graph_sizes(sched.max_num_seqs)
             changes["graph_batch_sizes"] = tuple(self.graph_batch_sizes)
-        if layout.mixed_token_sizes:
-            changes["mixed_token_sizes"] = tuple(mixed_graph_sizes(sched.max_num_batched_tokens))
+        if layout.mixed_token_sizes:     # the sizes the profiled engine captured, cut to budget
+            changes["mixed_token_sizes"] = tuple(mixed_graph_sizes(
+                sched.max_num_batched_tokens, sorted(layout.mixed_token_sizes)))
         self.layout = replace(layout, **changes)
 
     # -- loading ------------------------------------------------------------------------------

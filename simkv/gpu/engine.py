@@ -37,6 +37,7 @@ import pandas as pd
 from simkv.core.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.core.request import Request
 from simkv.core.results import atomic_write_text, write_results
+from simkv.gpu.host import frozen_heap
 from simkv.sim.setup import build_scheduler, load_requests_frame, requests_from_frame
 
 
@@ -122,14 +123,18 @@ class Engine:
         """Serve `requests` (fresh Request objects, arrival order) until all are final; returns
         the run's duration in seconds. Offline (`realtime=False`): every arrival is at 0."""
         from simkv.gpu.tokens import assign_prompt_tokens
-        sched, ex = self.scheduler, self.executor
-        observe, record = self.recorder.observe, self.recorder.record_step
-        kv = sched.kv
         assign_prompt_tokens(requests, self.scenario.model.vocab_size, self.scenario.seed)
         if not realtime:
             for req in requests:
                 req.arrival_s = 0.0
         requests = sorted(requests, key=lambda r: r.arrival_s)
+        with frozen_heap():     # what is alive now stays out of the collections in the run
+            return self._serve(requests, progress)
+
+    def _serve(self, requests: list, progress) -> float:
+        sched, ex = self.scheduler, self.executor
+        observe, record = self.recorder.observe, self.recorder.record_step
+        kv = sched.kv
         cancels: list = []
         i, n = 0, len(requests)
         clock0 = time.perf_counter()

@@ -8,7 +8,7 @@ the one exception), then one forward over the flattened batch, then greedy sampl
 the last token's logits) for every sequence whose chunk reaches the end of its known tokens. Inputs (token ids, positions, slot mapping, block
 tables, varlen metadata) are built on the host with numpy and sent in one copy per dtype.
 
-Decode-only steps, and steps with prefill chunks of up to 1,024 tokens, run as CUDA graphs over
+Decode-only steps, and steps with prefill chunks of up to 2,048 tokens, run as CUDA graphs over
 static input buffers (`simkv.gpu.graph_steps`); larger steps run eagerly, bound by device work
 rather than by kernel launches. `enforce_eager=True` turns graphs off; `static_inputs=True` runs
 steps through the fixed-shape buffers without capturing (the CPU tests of the graphed path).
@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from simkv.gpu.host import collection_held
 from simkv.gpu.model import AttentionMetadata, LlamaModel
 
 
@@ -240,7 +241,15 @@ class GpuExecutor:
         Afterwards `last_gpu_s` is the CUDA-event span from the first memory operation to the
         sampled tokens on the host: the host input preparation, the forward, sampling and the
         copy back (wall time on CPU); `last_prep_s` is the host input preparation inside it,
-        during which the device has at most the memory operations to do."""
+        during which the device has at most the memory operations to do.
+
+        Python's automatic garbage collection is held off during the step: one started by an
+        eager forward's short-lived tensors stalls a host-bound step's launches (simkv.gpu.host);
+        collections that fall due run after the step returns."""
+        with collection_held():
+            return self._execute(plan, kv)
+
+    def _execute(self, plan, kv=None) -> dict:
         cuda = self.device.type == "cuda"
         if cuda:
             start_evt = torch.cuda.Event(enable_timing=True)

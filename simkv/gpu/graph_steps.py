@@ -6,7 +6,7 @@
     tokens, prep_s = steps.run_mixed(prefill, single, steps.mixed_bucket(...))
 
 Decode-only steps are captured at bucketed batch sizes (GRAPH_BATCH_SIZES up to max_num_seqs),
-steps with prefill chunks at bucketed token counts (MIXED_TOKEN_SIZES up to 1,024 and
+steps with prefill chunks at bucketed token counts (MIXED_TOKEN_SIZES up to 2,048 and
 max_num_batched_tokens). A graph reads its inputs from buffers at fixed addresses, which every
 step updates in place; the padding of a bucket is inert (slot -1 writes nothing, a decode row of
 sequence length 0 and a prefill sequence with no new tokens are skipped by the kernels).

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 # Token counts of the engine's captured mixed (prefill + decode) steps (simkv.gpu.executor). The
 # linear layers' time is nearly flat up to ~512 tokens on an H200 (profiles/h200/*/fit.json), so
-# the steps are coarse there and finer above, where padding costs device time. Steps with prefill
-# chunks and more tokens than the largest run eagerly.
-MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+# the steps are coarse there and finer above, where padding costs device time. Up to 2,048
+# tokens: a 1B's eager steps of 1,024-2,048 tokens are host-bound (~8 ms of launches over 4-8 ms
+# of device work) and took up to twice as long in the host's slow spells (p10-p90 spread 35-55%;
+# benchmarks/eager_noise.py); graphed, the launches are one. Steps with prefill chunks and more
+# tokens than the largest run eagerly.
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536,
+                     1664, 1792, 1920, 2048)
 # Decode-only steps run as CUDA graphs at these batch sizes (up to max_num_seqs).
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -21,10 +25,11 @@ def decode_graph_sizes(max_num_seqs: int) -> list:
     return [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
 
 
-def mixed_graph_sizes(max_num_batched_tokens: int) -> list:
-    """The token counts of the mixed steps an engine with this token budget captures."""
-    top = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
-    return [t for t in MIXED_TOKEN_SIZES if t < top] + [top]
+def mixed_graph_sizes(max_num_batched_tokens: int, sizes=MIXED_TOKEN_SIZES) -> list:
+    """The token counts of the mixed steps an engine with this token budget captures, from the
+    engine's list of `sizes` (a profile's own list: an engine version that captured others)."""
+    top = min(max_num_batched_tokens, sizes[-1])
+    return [t for t in sizes if t < top] + [top]
 
 
 # Split-K policy: a batch that gives at least FULL_PROGRAMS_PER_SM programs per SM runs unsplit

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from simkv.gpu.engine_pass import ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host
+from simkv.gpu.host import frozen_heap, host_conditions, pin_to_cpu
 from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features
 
 GIB = 1 << 30
@@ -143,14 +144,15 @@ def profile_block_size(executor, points, rng, reps: int, log) -> list:
         plans.append(plan)
     times = [[] for _ in points]
     walls = [[] for _ in points]
-    for r in range(reps):
-        for i, plan in enumerate(plans):
-            if r >= 3 and times[i][0] > LONG_STEP_S:
-                continue
-            t0 = time.perf_counter()
-            executor.execute(plan)
-            walls[i].append(time.perf_counter() - t0)
-            times[i].append(executor.last_gpu_s)
+    with frozen_heap():      # as the engine serves: the plans and executor out of collections
+        for r in range(reps):
+            for i, plan in enumerate(plans):
+                if r >= 3 and times[i][0] > LONG_STEP_S:
+                    continue
+                t0 = time.perf_counter()
+                executor.execute(plan)
+                walls[i].append(time.perf_counter() - t0)
+                times[i].append(executor.last_gpu_s)
     rows = []
     for i, point in enumerate(points):
         row = {"id": point.id, "family": point.family, "block_size": bs,
@@ -360,7 +362,8 @@ LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256
 
 def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quick: bool = False,
                 device: str | None = None, seed: int = 0, reps: int | None = None,
-                time_budget_s: float | None = None, parts=PARTS, log=print) -> Path:
+                time_budget_s: float | None = None, parts=PARTS, log=print,
+                pin_cpu: int | None = None) -> Path:
     """Profile `model_name` (bundled name or config path) and write the raw data; returns the dir.
 
     `parts`: any of "steps" (the step grid, every block size), "transfers" (swaps and copies,
@@ -369,12 +372,14 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     and the reference attention). Default out_dir: profiles/<gpu>/<model>/. The files are
     rewritten after every block size; with `time_budget_s`, block sizes that would not finish
     in time are skipped (and left out of meta.json's `block_sizes`). meta.json is written when
-    the step grid is measured, `meta-partial.json` otherwise.
+    the step grid is measured, `meta-partial.json` otherwise. `pin_cpu`: run pinned to this CPU
+    (simkv.gpu.host; then run the validation engine pinned too).
     """
     import torch
     from simkv.core.specs import load_model, profiles_dir
 
     started = time.perf_counter()
+    pin_to_cpu(pin_cpu)
     model = load_model(model_name)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
@@ -443,7 +448,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         meta = _meta(model, dev, dtype, sorted(done), quick, graph_sizes, command, smi_before)
         if data["engine"]:
             meta["engine_pass"] = ENGINE_PASS_NOTE
-        meta.update(parts=list(parts), decode_tile=tile, max_num_seqs=MAX_NUM_SEQS,
+        meta.update(host_conditions=host_conditions(), parts=list(parts), decode_tile=tile, max_num_seqs=MAX_NUM_SEQS,
                     mixed_token_sizes=list(mixed_sizes),
                     max_model_len=model.max_position_embeddings,
                     profile_seconds=round(time.perf_counter() - started, 1))
@@ -532,6 +537,8 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="comma-separated: " + ", ".join(PARTS))
     parser.add_argument("--fit", action="store_true", help="run `simkv fit` on the result")
+    parser.add_argument("--pin-cpu", type=int, default=None, metavar="N",
+                        help="run pinned to CPU N (run the validation engine pinned as well)")
     args = parser.parse_args(argv)
     sizes = tuple(int(b) for b in args.block_sizes.split(","))
     parts = tuple(p for p in args.parts.split(",") if p)
@@ -541,7 +548,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)} (choose from {', '.join(PARTS)})")
     out = run_profile(args.model, sizes, args.out, args.quick, args.device,
-                      reps=args.reps, time_budget_s=args.time_budget_s, parts=parts)
+                      reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,
+                      pin_cpu=args.pin_cpu)
     if args.fit and "steps" in parts:
         from simkv.costmodel.fit import fit_profile
         fit = fit_profile(out)

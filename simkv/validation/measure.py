@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from simkv.gpu.host import host_conditions, pin_to_cpu
 from simkv.validation.data import (RUNS, load_validation_scenario, requests_fingerprint,
                                    write_json)
 
@@ -118,7 +119,7 @@ class _Bench:
 
 def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None,
                        data_dir=None, warmup_requests: int = 16, progress: bool = False,
-                       _bench: _Bench | None = None) -> Path:
+                       write_trace: bool = True, _bench: _Bench | None = None) -> Path:
     """Measure the real engine on the scenario's requests (simpy-free, for the GPU machine).
 
     First every request arrives at 0 (`realtime=False`): the saturated throughput. Then the
@@ -127,7 +128,8 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
     `scenario`: a Scenario or a YAML path (with `data_dir`, read through
     `load_validation_scenario`); `trace_df` replaces its requests. Writes under `out_dir`:
     meta.json, trace.csv, saturated/ and realtime/ (summary.json, requests.csv, steps.csv,
-    ledger.json). Returns `out_dir`.
+    ledger.json). `write_trace=False` leaves trace.csv out (the shared traces' rows; the
+    comparison re-derives them from the scenario). Returns `out_dir`.
     """
     from simkv.core.traces import write_canonical
     from simkv.sim.setup import load_requests_frame
@@ -140,7 +142,8 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
     runs = bench.measure(scenario, frame)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_canonical(frame, out / "trace.csv")
+    if write_trace:
+        write_canonical(frame, out / "trace.csv")
     for run in RUNS:
         runs[run].write(out / run)
     meta = {
@@ -156,6 +159,7 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
         "requests_sha256_no_arrivals": requests_fingerprint(frame, arrivals=False),
         "trace_source": frame.attrs.get("source"),
         "setup": runs["setup"],
+        "host_conditions": host_conditions(),
         "measure_wall_s": time.perf_counter() - t0,
         "engine": runs["realtime"].extra["engine"],
         "sizing": runs["realtime"].extra["sizing"],
@@ -173,15 +177,19 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
 
 
 def measure_many(scenario_paths, out_root, device: str = "cuda", *, data_dir=None,
-                 warmup_requests: int = 16, progress: bool = False) -> list:
+                 warmup_requests: int = 16, progress: bool = False, write_trace: bool = True,
+                 pin_cpu: int | None = None) -> list:
     """`measure_validation` for several scenarios into `out_root/<name>/`, sharing one executor
-    while the pool allows and one saturated run per request set (time_scale aside)."""
+    while the pool allows and one saturated run per request set (time_scale aside).
+    `pin_cpu`: run pinned to that CPU (as a profile measured with --pin-cpu)."""
+    pin_to_cpu(pin_cpu)
     bench = _Bench(device, warmup_requests, progress)
     outs = []
     for path in scenario_paths:
         scn = load_validation_scenario(path, data_dir)
         t0 = time.perf_counter()
-        outs.append(measure_validation(scn, Path(out_root) / scn.name, device, _bench=bench))
+        outs.append(measure_validation(scn, Path(out_root) / scn.name, device,
+                                       write_trace=write_trace, _bench=bench))
         print(f"[validate] measured {scn.name} in {time.perf_counter() - t0:.1f} s -> "
               f"{outs[-1]}", file=sys.stderr, flush=True)
     bench.release()
