@@ -57,11 +57,14 @@ CUDA_GRAPH_POOL_BYTES = 464 * MIB
 ALLOCATOR_SLACK_BYTES = 256 * MIB
 # Swap mode: a swap moves its blocks through device staging tensors of at most this many bytes
 # per chunk (simkv.gpu.swap); gathering a chunk holds two at once (the selected blocks and their
-# block-major copy), and each chunk is released before the next one. The H200 tight-budget runs
-# measured the swap engine's peak 512 MiB above the recompute engine's (profiles/h200/
-# llama-3.1-8b/validation, azure-conv-tight-{swap,recompute}-bs16, realtime/ledger.json), so
-# sizing reserves two chunks.
-SWAP_STAGING_CHUNK_BYTES = 256 * MIB
+# block-major copy), and each chunk is released before the next one, so sizing reserves two
+# chunks. With 256 MiB chunks held three at a time the H200 tight-budget runs measured the swap
+# engine's peak 512 MiB above the recompute engine's; released one at a time, 0.29 GiB above
+# (profiles/h200/llama-3.1-8b/validation, azure-conv-tight-{swap,recompute}-bs16,
+# realtime/ledger.json, fourth and fifth profiles of 2026-11-29), while the reserved 512 MiB left
+# the pool 7% short. Chunks of 128 MiB still move at the link's bandwidth (a 128 MiB copy is
+# ~2.8 ms at 45 GB/s against ~0.2 ms of per-transfer cost).
+SWAP_STAGING_CHUNK_BYTES = 128 * MIB
 SWAP_STAGING_CHUNKS = 2
 
 PROFILE_LEDGER_KEYS = (
