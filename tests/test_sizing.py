@@ -108,14 +108,20 @@ def test_host_blocks_are_swap_space_divided_by_block_bytes():
     assert sizing(cache=CacheConfig(swap_space_gib=4)).num_host_blocks == 4 * GIB // (2 * MIB) == 2048
 
 
-def test_swap_mode_reserves_the_device_staging_of_two_swap_chunks(profiles):
+def test_swap_mode_reserves_the_staging_that_exceeds_the_forward_workspace(profiles):
+    # the staging of two 128 MiB chunks is freed before the forward, whose workspace reuses it
     write_ledger(profiles)
-    recompute = sizing(cache=CacheConfig(preemption_mode="recompute"))
-    swap = sizing(cache=CacheConfig(preemption_mode="swap"))
-    assert swap.other_bytes - recompute.other_bytes == 256 * MIB      # two chunks of 128 MiB
-    assert swap.ledger["swap_staging_bytes"] == 256 * MIB
-    assert "swap_staging_bytes" not in recompute.ledger
-    assert recompute.num_blocks - swap.num_blocks == 256 * MIB // recompute.bytes_per_block
+    for tokens in (8192, 256):
+        sched = SchedulerConfig(max_num_batched_tokens=tokens)
+        recompute = sizing(cache=CacheConfig(preemption_mode="recompute"), scheduler=sched)
+        swap = sizing(cache=CacheConfig(preemption_mode="swap"), scheduler=sched)
+        extra = max(0, 256 * MIB - recompute.activation_bytes)
+        assert swap.other_bytes - recompute.other_bytes == extra
+        assert swap.ledger["swap_staging_bytes"] == extra
+        assert "swap_staging_bytes" not in recompute.ledger
+        assert recompute.num_blocks - swap.num_blocks == -(-extra // recompute.bytes_per_block) \
+            or recompute.num_blocks - swap.num_blocks == extra // recompute.bytes_per_block
+    assert extra > 0        # at 256 batched tokens the workspace is smaller than the staging
 
 
 def test_estimated_activation_grows_with_the_token_budget(monkeypatch):
