@@ -8,6 +8,7 @@ from simkv.core.config import CacheConfig, SchedulerConfig
 from simkv.core.sizing import (
     GIB,
     MIB,
+    estimate_graph_pool_bytes,
     fit_error,
     memory_budget_bytes,
     seq_blocks,
@@ -130,7 +131,21 @@ def test_estimated_activation_grows_with_the_token_budget(monkeypatch):
     large = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=16384))
     assert large.activation_bytes > small.activation_bytes
     assert small.source == large.source == "estimate"
-    assert small.other_bytes == large.other_bytes == (768 + 464 + 256) * MIB
+    # the graph pool grows with the captured mixed-step graphs (their logits and segments),
+    # which stop at 2,048 tokens
+    fewer = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    assert fewer.other_bytes < small.other_bytes == large.other_bytes
+    assert large.other_bytes == (768 + 256) * MIB + estimate_graph_pool_bytes(
+        load_model("llama-3.1-8b"), SchedulerConfig(max_num_batched_tokens=16384))
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-3.2-1b"])
+def test_the_graph_pool_estimate_is_within_ten_percent_of_the_measured_pools(model):
+    # the committed H200 ledgers measured the serving engine's graph pool at the defaults
+    ledger = json.loads((profiles_dir() / "h200" / model / "ledger.json").read_text())
+    measured = ledger["other_parts"]["cuda_graph_pool_bytes"]
+    estimate = estimate_graph_pool_bytes(load_model(model), SchedulerConfig())
+    assert abs(estimate - measured) <= 0.10 * measured
 
 
 def test_estimated_activation_grows_with_the_model():

@@ -47,14 +47,18 @@ LOGITS_DTYPE_BYTES = 4
 # Everything else the runtime holds outside the PyTorch tensors above, about 1.5 GiB in total:
 # - memory outside PyTorch: CUDA context, cuBLAS handles and workspaces, Triton modules
 #   (measured 761-767 MiB on the H200, not the 512 MiB first assumed);
-# - the CUDA-graph memory pool for decode batch sizes up to max_num_seqs (measured 464 MiB for
-#   llama-3.2-1b);
+# - the CUDA-graph memory pool (`estimate_graph_pool_bytes`);
 # - caching-allocator slack at the peak: fragmentation between freed segments (measured 254 MiB
 #   for the 1B; the 8B's 1.2 GiB of unattributed memory includes its graph pool, which the
 #   allocator did not report separately).
 CUDA_CONTEXT_BYTES = 768 * MIB
-CUDA_GRAPH_POOL_BYTES = 464 * MIB
 ALLOCATOR_SLACK_BYTES = 256 * MIB
+# The CUDA-graph pool: every captured graph keeps its output logits (the sampled rows x vocab,
+# model dtype) and segments of its own. Measured 2.30 GiB (llama-3.1-8b) and 2.09 GiB
+# (llama-3.2-1b) with 9 decode and 19 mixed-step graphs (profiles/h200/*/ledger.json,
+# serving_ledger, fifth profiles of 2026-11-29); the logits are 1.10 GiB of each, the rest 43 and
+# 36 MiB per graph. (The first estimate, 464 MiB, measured decode graphs only.)
+GRAPH_SEGMENT_BYTES = 40 * MIB
 # Swap mode: a swap moves its blocks through device staging tensors of at most this many bytes
 # per chunk (simkv.gpu.swap); gathering a chunk holds two at once (the selected blocks and their
 # block-major copy), and each chunk is released before the next one and before the forward,
@@ -138,6 +142,18 @@ def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> i
     return max(tokens * per_token, logits)
 
 
+def estimate_graph_pool_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> int:
+    """Estimated CUDA-graph pool (bytes) of an engine with these settings: the logits every
+    captured graph keeps (its sampled rows x vocab in the weights' dtype) plus
+    GRAPH_SEGMENT_BYTES per graph. The graph sizes are the engine's (simkv.gpu.launch_policy)."""
+    from simkv.gpu.launch_policy import decode_graph_sizes, mixed_graph_sizes
+    decode = decode_graph_sizes(scheduler.max_num_seqs)
+    mixed = mixed_graph_sizes(scheduler.max_num_batched_tokens)
+    rows = sum(decode) + sum(min(t, scheduler.max_num_seqs) for t in mixed)
+    return (rows * model.vocab_size * WEIGHT_DTYPE_BYTES
+            + (len(decode) + len(mixed)) * GRAPH_SEGMENT_BYTES)
+
+
 def read_profile_ledger(model: ModelSpec, gpu: GpuSpec) -> Optional[dict[str, Any]]:
     """The measured ledger `profiles/<gpu>/<model>/ledger.json` as a dict, or None if absent."""
     path = profiles_dir() / gpu.name / model.name / "ledger.json"
@@ -191,7 +207,7 @@ def size_pool(
         activation = estimate_activation_bytes(model, scheduler)
         other_parts = {
             "cuda_context_bytes": CUDA_CONTEXT_BYTES,
-            "cuda_graph_pool_bytes": CUDA_GRAPH_POOL_BYTES,
+            "cuda_graph_pool_bytes": estimate_graph_pool_bytes(model, scheduler),
             "allocator_slack_bytes": ALLOCATOR_SLACK_BYTES,
         }
         other = sum(other_parts.values())

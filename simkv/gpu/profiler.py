@@ -264,7 +264,7 @@ def _estimate_comparison(model, ledger: dict) -> dict:
     estimate = {
         "weights_bytes": model.weight_bytes(sizing.WEIGHT_DTYPE_BYTES),
         "activation_bytes": sizing.estimate_activation_bytes(model, sched),
-        "other_bytes": sizing.CUDA_CONTEXT_BYTES + sizing.CUDA_GRAPH_POOL_BYTES
+        "other_bytes": sizing.CUDA_CONTEXT_BYTES + sizing.estimate_graph_pool_bytes(model, sched)
         + sizing.ALLOCATOR_SLACK_BYTES,
     }
     measured = {
