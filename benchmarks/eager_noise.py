@@ -2,14 +2,16 @@
 
     python benchmarks/eager_noise.py --model llama-3.2-1b --out DIR     # GPU (no simpy), ~1 min
 
-On a 1B, steps with prefill chunks above the largest mixed CUDA graph (1,024 tokens) run
-eagerly, and their profiled repetitions spread 40-55% (p10 to p90, steps.csv); the 8B's same
-steps spread 2-4%. This probe times a few of them (and a graphed control) under conditions
-that separate the candidate causes:
+On a 1B, steps with prefill chunks above the largest mixed CUDA graph ran eagerly, and on the
+fourth profile of 2026-11-29 (graphs up to 1,024 tokens) their repetitions spread 40-55% (p10 to
+p90, steps.csv); the 8B's same steps spread 2-4%. This probe builds its executor with the mixed
+graphs of that engine (token budget 1,024, so steps above it run eagerly) and times a few of
+them (and a graphed control) under conditions that separate the candidate causes:
 
 - `same`: one composition back to back; `interleaved`: all of them round-robin, with a
   large step between (as the profiler's rounds run them); `pinned`: interleaved, the process
-  pinned to one CPU; `gc_off`: interleaved, Python's garbage collector off.
+  pinned to one CPU; `gc_in_step`: interleaved, with Python's garbage collector left on inside
+  the step (`GpuExecutor.execute` holds it off since; this calls the step without the hold).
 
 Per step it records the executor's CUDA-event span, the host time until `forward` returned
 (the launches: when it is close to the span the step is host-bound), the CPU it ran on, and
@@ -20,7 +22,6 @@ Writes steps.csv and prints medians and p10/p90 per condition and composition.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 IDS = ("mixed/d16c1024/1x1084+p0", "prefill/1x2048+p0", "mixed/d200c512/1x1848+p0",
        "prefill/1x4096+p0", "decode/b64/c512")
 BIG = "prefill/1x8192+p0"
+EAGER_ABOVE = 1024          # the mixed graphs of the engine the finding was made on
 
 
 def _cpu() -> int:
@@ -50,7 +52,8 @@ def main() -> None:
     import torch
     from simkv.core.specs import load_model
     from simkv.gpu.profile_design import design
-    from simkv.gpu.profiler import _plan, _tokens, profiling_executor
+    from simkv.gpu.executor import GpuExecutor
+    from simkv.gpu.profiler import _plan, _tokens
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.2-1b")
@@ -60,61 +63,70 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,"
-         "utilization.gpu", "--format=csv,nounits", "-lms", "100"],
-        stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
+    try:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,"
+             "utilization.gpu", "--format=csv,nounits", "-lms", "100"],
+            stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
+    except OSError:
+        smi = None
+    try:
+        points = {p.id: p for p in design()}
+        ex = GpuExecutor(load_model(args.model), 20_000, args.block_size, device="cuda",
+                         max_num_seqs=256, max_num_batched_tokens=EAGER_ABOVE,
+                         profile_memory=False)
+        with torch.inference_mode():
+            ex.caches.normal_()
+        rng = np.random.default_rng(0)
+        tokens = _tokens(ex, rng)
+        plans = {i: _plan(points[i].items, ex.block_size, rng.permutation(ex.num_blocks), tokens)
+                 for i in IDS + (BIG,)}
+        forward = ex.model.forward
+        launched = {}
 
-    points = {p.id: p for p in design()}
-    ex = profiling_executor(load_model(args.model), 20_000, args.block_size, "cuda")
-    rng = np.random.default_rng(0)
-    tokens = _tokens(ex, rng)
-    plans = {i: _plan(points[i].items, ex.block_size, rng.permutation(ex.num_blocks), tokens)
-             for i in IDS + (BIG,)}
-    forward = ex.model.forward
-    launched = {}
+        def timed_forward(*a, **k):
+            result = forward(*a, **k)
+            launched["t"] = time.perf_counter()
+            return result
 
-    def timed_forward(*a, **k):
-        result = forward(*a, **k)
-        launched["t"] = time.perf_counter()
-        return result
+        ex.model.forward = timed_forward
+        rows = []
 
-    ex.model.forward = timed_forward
-    rows = []
+        def run(condition, pid, rep):
+            stats = torch.cuda.memory_stats()
+            launched.pop("t", None)
+            t0 = time.perf_counter()
+            (ex._execute if condition == "gc_in_step" else ex.execute)(plans[pid])
+            t1 = time.perf_counter()
+            after = torch.cuda.memory_stats()
+            rows.append({"condition": condition, "id": pid, "rep": rep, "unix_s": time.time(),
+                         "time_s": ex.last_gpu_s, "wall_s": t1 - t0,
+                         "launch_s": launched.get("t", float("nan")) - t0,
+                         "prep_s": ex.last_prep_s, "cpu": _cpu(),
+                         "device_allocs": (after.get("num_device_alloc", 0)
+                                           - stats.get("num_device_alloc", 0)),
+                         "device_frees": (after.get("num_device_free", 0)
+                                          - stats.get("num_device_free", 0))})
 
-    def run(condition, pid, rep):
-        stats = torch.cuda.memory_stats()
-        launched.pop("t", None)
-        t0 = time.perf_counter()
-        ex.execute(plans[pid])
-        t1 = time.perf_counter()
-        after = torch.cuda.memory_stats()
-        rows.append({"condition": condition, "id": pid, "rep": rep, "unix_s": time.time(),
-                     "time_s": ex.last_gpu_s, "wall_s": t1 - t0,
-                     "launch_s": launched.get("t", float("nan")) - t0,
-                     "prep_s": ex.last_prep_s, "cpu": _cpu(),
-                     "device_allocs": after.get("num_device_alloc", 0) - stats.get("num_device_alloc", 0),
-                     "device_frees": after.get("num_device_free", 0) - stats.get("num_device_free", 0)})
-
-    for pid in plans:                       # warm-up
-        for _ in range(2):
-            ex.execute(plans[pid])
-    cpus = os.sched_getaffinity(0)
-    for pid in IDS:
-        for rep in range(args.reps):
-            run("same", pid, rep)
-    for condition in ("interleaved", "pinned", "gc_off", "interleaved"):
-        if condition == "pinned":
-            os.sched_setaffinity(0, {min(cpus)})
-        if condition == "gc_off":
-            gc.disable()
-        for rep in range(args.reps):
-            for pid in IDS:
-                run(condition, pid, rep)
-                ex.execute(plans[BIG])
-        gc.enable()
-        os.sched_setaffinity(0, cpus)
-    smi.terminate()
+        for pid in plans:                       # warm-up
+            for _ in range(2):
+                ex.execute(plans[pid])
+        cpus = os.sched_getaffinity(0)
+        for pid in IDS:
+            for rep in range(args.reps):
+                run("same", pid, rep)
+        for condition in ("interleaved", "pinned", "gc_in_step", "interleaved"):
+            if condition == "pinned":
+                os.sched_setaffinity(0, {min(cpus)})
+            for rep in range(args.reps):
+                for pid in IDS:
+                    run(condition, pid, rep)
+                    ex.execute(plans[BIG])
+            os.sched_setaffinity(0, cpus)
+    finally:
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
     df = pd.DataFrame(rows)
     df.to_csv(out / "steps.csv", index=False)
     q = df.groupby(["condition", "id"], sort=False).agg(

@@ -69,37 +69,45 @@ def main() -> None:
             stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
     except OSError:
         smi = None
-    rng = np.random.default_rng(0)
-    ex = profiling_executor(load_model(args.model), args.num_blocks, BLOCK_SIZE, args.device)
-    tokens = _tokens(ex, rng)
-    layouts = {"random": lambda: rng.permutation(ex.num_blocks),
-               "contiguous": lambda: np.arange(ex.num_blocks)}
-    plans = {(name, lay): _plan(items, BLOCK_SIZE, make(), tokens)
-             for name, items in compositions(rng).items() for lay, make in layouts.items()}
-    heavy = _plan(HEAVY, BLOCK_SIZE, rng.permutation(ex.num_blocks), tokens)
-    for plan in list(plans.values()) + [heavy]:          # warm-up, graph checks
-        ex.execute(plan)
-    rows = []
-    for state in ("hot", "cool", "hot", "cool"):           # each state twice, alternating
-        for (name, lay), plan in plans.items():
-            if state == "cool":
-                time.sleep(0.3)
-                for _ in range(3):
+    try:
+        rng = np.random.default_rng(0)
+        ex = profiling_executor(load_model(args.model), args.num_blocks, BLOCK_SIZE, args.device)
+        tokens = _tokens(ex, rng)
+        comps = compositions(rng)
+        need = max(sum(-(-(s + n) // BLOCK_SIZE) for s, n, _ in items) for items in comps.values())
+        if need > ex.num_blocks:
+            raise SystemExit(f"--num-blocks {ex.num_blocks}: the largest composition needs {need}")
+        layouts = {"random": lambda: rng.permutation(ex.num_blocks),
+                   "contiguous": lambda: np.arange(ex.num_blocks)}
+        plans = {(name, lay): _plan(items, BLOCK_SIZE, make(), tokens)
+                 for name, items in comps.items() for lay, make in layouts.items()}
+        heavy = _plan(HEAVY, BLOCK_SIZE, rng.permutation(ex.num_blocks), tokens)
+        for plan in list(plans.values()) + [heavy]:          # warm-up, graph checks
+            ex.execute(plan)
+        rows = []
+        for state in ("hot", "cool", "hot", "cool"):           # each state twice, alternating
+            for (name, lay), plan in plans.items():
+                if state == "cool":
+                    time.sleep(0.3)
+                    for _ in range(3):
+                        ex.execute(plan)
+                for rep in range(args.reps):
+                    if state == "hot":
+                        ex.execute(heavy)
                     ex.execute(plan)
-            for rep in range(args.reps):
-                if state == "hot":
-                    ex.execute(heavy)
-                ex.execute(plan)
-                rows.append({"composition": name, "layout": lay, "state": state, "rep": rep,
-                             "unix_s": time.time(), "time_s": ex.last_gpu_s})
-        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-    if smi is not None:
-        smi.terminate()
+                    rows.append({"composition": name, "layout": lay, "state": state, "rep": rep,
+                                 "unix_s": time.time(), "time_s": ex.last_gpu_s})
+            pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+    finally:
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
     df = pd.DataFrame(rows)
     med = df.groupby(["composition", "layout", "state"])["time_s"].median().unstack(["layout",
                                                                                        "state"])
     base = med[("random", "hot")]
     table = (med.div(base, axis=0) - 1) * 100
+    table.columns = [f"{lay}/{state} %" for lay, state in table.columns]
     table.insert(0, "random/hot ms", 1e3 * base)
     print(table.round(1).to_string())
 

@@ -368,7 +368,8 @@ def profile(
                                        help="Timed rounds over the design (default 5)."),
     pin_cpu: Optional[int] = typer.Option(
         None, "--pin-cpu", metavar="N",
-        help="Run pinned to CPU N (then validate with --pin-cpu too)."),
+        help="Run pinned to CPU N (then measure validations with `python -m simkv.validate "
+             "measure --pin-cpu N` too)."),
 ) -> None:
     """Measure step costs, transfers and the memory ledger on a GPU; writes raw CSVs."""
     sizes = _int_list(block_sizes, "--block-sizes")

@@ -336,3 +336,31 @@ def test_pinning_to_a_cpu_outside_the_allowed_set_is_a_clear_error():
     pin_to_cpu(None)
     assert os.sched_getaffinity(0) == allowed
     assert host_conditions()["cpus_allowed"] == len(allowed)
+
+
+def test_a_nested_frozen_heap_keeps_the_outer_one_frozen():
+    import gc
+    from simkv.gpu.host import frozen_heap
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == outer > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_pinning_to_an_allowed_cpu_pins_and_a_system_without_affinity_says_so(monkeypatch):
+    from simkv.errors import InputError
+    from simkv.gpu.host import host_conditions, pin_to_cpu
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this system")
+    allowed = os.sched_getaffinity(0)
+    try:
+        pin_to_cpu(min(allowed))
+        assert os.sched_getaffinity(0) == {min(allowed)}
+        assert host_conditions()["pinned_cpu"] == min(allowed)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    monkeypatch.delattr(os, "sched_setaffinity")
+    with pytest.raises(InputError, match="cannot pin"):
+        pin_to_cpu(0)

@@ -310,3 +310,20 @@ def test_a_negative_decode_slot_count_is_refused_naming_the_key(tmp_path):
         ProfiledCostModel.load(path)
     ok = write_fit(tmp_path, layout={"sm_count": 132, "num_kv_heads": 8, "decode_slots_per_sm": 3})
     assert ProfiledCostModel.load(ok).layout.decode_slots_per_sm == 3
+
+
+def test_the_step_layout_keeps_the_graph_sizes_the_profiled_engine_captured(tmp_path):
+    # a profile of an engine whose mixed graphs stopped at 256 tokens and decode graphs at 64:
+    # a scenario with a larger budget still pads only within those lists (steps above run
+    # eagerly there), whatever the current engine captures
+    from types import SimpleNamespace
+    path = write_fit(tmp_path, layout={"mixed_token_sizes": [16, 32, 64, 128, 256],
+                                       "max_num_seqs": 256, "max_model_len": 131072})
+    fit = json.loads(path.read_text())
+    fit["graph_batch_sizes"] = [1, 2, 4, 8, 16, 32, 64]
+    path.write_text(json.dumps(fit))
+    sched = SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    m = ProfiledCostModel.load(path, block_size=16, scheduler=sched)
+    assert m.layout.mixed_token_sizes == (16, 32, 64, 128, 256)
+    assert m.graph_batch_sizes == [1, 2, 4, 8, 16, 32, 64]
+    assert not m.layout.is_graphed(300, 4) and m.layout.is_graphed(250, 4)

@@ -228,3 +228,17 @@ def test_a_profile_ledger_missing_a_key_is_rejected_naming_the_file(profiles):
     write_ledger(profiles, other_bytes=None)
     with pytest.raises(InputError, match=r"h200/llama-3.1-8b/ledger.json: 'other_bytes'"):
         sizing()
+
+
+def test_a_profiled_graph_pool_follows_the_scenarios_graph_sizes():
+    # the committed ledger measured the pool of an engine with 256 sequences and 8,192 batched
+    # tokens; an engine with max_num_seqs 16 captures fewer, smaller graphs
+    default = sizing()
+    small = sizing(scheduler=SchedulerConfig(max_num_seqs=16))
+    assert default.source == small.source == "profile"
+    model = load_model("llama-3.1-8b")
+    fewer = (estimate_graph_pool_bytes(model, SchedulerConfig())
+             - estimate_graph_pool_bytes(model, SchedulerConfig(max_num_seqs=16)))
+    assert fewer > 0.5 * GIB
+    assert default.other_bytes - small.other_bytes == fewer
+    assert default.ledger["cuda_graph_pool_bytes"] - small.ledger["cuda_graph_pool_bytes"] == fewer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
 from simkv.core.specs import GpuSpec, ModelSpec, profiles_dir
@@ -59,17 +60,22 @@ ALLOCATOR_SLACK_BYTES = 256 * MIB
 # serving_ledger, fifth profiles of 2026-11-29); the logits are 1.10 GiB of each, the rest 43 and
 # 36 MiB per graph. (The first estimate, 464 MiB, measured decode graphs only.)
 GRAPH_SEGMENT_BYTES = 40 * MIB
+# The token budget of the profiler's engine pass, whose graph pool a ledger records (ledgers
+# before 2026-11-29's fifth profile do not say it in `measured_with`).
+PROFILE_ENGINE_BATCHED_TOKENS = 8192
 # Swap mode: a swap moves its blocks through device staging tensors of at most this many bytes
 # per chunk (simkv.gpu.swap); gathering a chunk holds two at once (the selected blocks and their
 # block-major copy), and each chunk is released before the next one and before the forward,
 # whose workspace then reuses it: sizing reserves what two chunks need beyond the workspace
-# (nothing for an 8B at 8,192 batched tokens). With 256 MiB chunks held three at a time and
+# (nothing for an 8B at 8,192 batched tokens; the reuse is partial: the 8B's measured swap peak
+# was ~94 MiB above the recompute run's, so the pool comes out ~0.9% large on 6 GiB, which the
+# gpu_memory_utilization headroom absorbs). With 256 MiB chunks held three at a time and
 # the host swap space grown during the run, the H200 tight-budget runs measured the swap
 # engine's peak 512 MiB above the recompute engine's; with chunks released, 0.29 GiB above in
 # one lease, and in another the engine's measured peak left 5.3% more blocks than a pool sized
 # with two 128 MiB chunks reserved (profiles/h200/llama-3.1-8b/validation, azure-conv-tight-
 # {swap,recompute}-bs16, realtime/ledger.json, 2026-11-29). Chunks of 128 MiB still move at the
-# link's bandwidth (a 128 MiB copy is ~2.8 ms at 45 GB/s against ~0.2 ms per transfer).
+# link's bandwidth (a 128 MiB copy is ~3.0 ms at 45 GB/s against ~0.3 ms per transfer).
 SWAP_STAGING_CHUNK_BYTES = 128 * MIB
 SWAP_STAGING_CHUNKS = 2
 
@@ -198,6 +204,19 @@ def size_pool(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in parts.values()) \
                 and sum(parts.values()) == other:
             other_parts = {k: int(v) for k, v in parts.items()}
+            # The graph pool was measured with the profile's engine settings; an engine with
+            # other max_num_seqs / max_num_batched_tokens captures other graphs.
+            pool = other_parts.get("cuda_graph_pool_bytes")
+            if pool is not None:
+                measured_with = profile.get("measured_with") or {}
+                profiled = SimpleNamespace(    # the profile's engine settings
+                    max_num_seqs=int(measured_with.get("max_num_seqs", 256)),
+                    max_num_batched_tokens=int(measured_with.get(
+                        "max_num_batched_tokens", PROFILE_ENGINE_BATCHED_TOKENS)))
+                shift = (estimate_graph_pool_bytes(model, scheduler)
+                         - estimate_graph_pool_bytes(model, profiled))
+                other_parts["cuda_graph_pool_bytes"] = max(0, pool + shift)
+                other += other_parts["cuda_graph_pool_bytes"] - pool
         else:
             other_parts = {"other_bytes": other}
         ledger_file = profile["path"]

@@ -113,8 +113,9 @@ class ProfiledCostModel:
         max_len = sched.max_model_len or (model.max_position_embeddings if model else 0)
         if max_len:
             changes["max_model_len"] = max_len
-        if self.graph_batch_sizes:
-            self.graph_batch_sizes = decode_graph_sizes(sched.max_num_seqs)
+        if self.graph_batch_sizes:     # as with the mixed sizes: the profiled engine's list
+            self.graph_batch_sizes = decode_graph_sizes(sched.max_num_seqs,
+                                                        sorted(self.graph_batch_sizes))
             changes["graph_batch_sizes"] = tuple(self.graph_batch_sizes)
         if layout.mixed_token_sizes:     # the sizes the profiled engine captured, cut to budget
             changes["mixed_token_sizes"] = tuple(mixed_graph_sizes(

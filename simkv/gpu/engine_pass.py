@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from simkv.core.sizing import PROFILE_ENGINE_BATCHED_TOKENS
+
 ENGINE_FIELDS = ["step", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "preempted",
                  "duration_s", "exec_s", "outside_s"]
 
@@ -55,7 +57,8 @@ def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
         "name": "profile-engine-pass", "model": model.name, "gpu": gpu, "seed": seed,
         "cache": {"block_size": 16, "num_gpu_blocks_override": blocks,
                   "enable_prefix_caching": True},
-        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192},
+        "scheduler": {"max_num_seqs": max_num_seqs,
+                      "max_num_batched_tokens": PROFILE_ENGINE_BATCHED_TOKENS},
         "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
     engine = Engine(scn, str(dev))
     t0 = time.perf_counter()

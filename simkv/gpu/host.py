@@ -26,13 +26,26 @@ from simkv.errors import InputError
 @contextlib.contextmanager
 def frozen_heap():
     """Collect once, then keep every object alive now out of later collections (gc.freeze) for
-    the duration; unfreezes afterwards."""
+    the duration; unfreezes afterwards. Only the outermost of nested uses freezes and unfreezes
+    (gc.unfreeze releases everything frozen), and a heap the caller froze before is left so."""
+    if _frozen["depth"] or gc.get_freeze_count():
+        _frozen["depth"] += 1
+        try:
+            yield
+        finally:
+            _frozen["depth"] -= 1
+        return
     gc.collect()
     gc.freeze()
+    _frozen["depth"] = 1
     try:
         yield
     finally:
+        _frozen["depth"] = 0
         gc.unfreeze()
+
+
+_frozen = {"depth": 0}
 
 
 @contextlib.contextmanager
@@ -49,7 +62,8 @@ def collection_held():
 
 def pin_to_cpu(cpu: int | None) -> None:
     """Pin this process to one CPU (`cpu`; None leaves it as it is). A CPU outside the
-    process's allowed set is an InputError."""
+    process's allowed set is an InputError. Call it first: on Linux it pins the calling thread,
+    and threads started later (CUDA's, OpenMP's) inherit the CPU; ones already running do not."""
     if cpu is None:
         return
     if not hasattr(os, "sched_setaffinity"):
@@ -64,6 +78,6 @@ def host_conditions() -> dict:
     """For metadata: the CPUs this process may run on (`pinned_cpu` when it is one), and how
     the timed code treats the garbage collector."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return {"pinned_cpu": cpus[0] if len(cpus) == 1 else None,
+    return {"pinned_cpu": cpus[0] if len(cpus) == 1 else None,     # or a one-CPU container
             "cpus_allowed": len(cpus) or os.cpu_count(),
             "gc": "collection held off inside each step; the heap alive before a run frozen"}

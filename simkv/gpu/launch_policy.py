@@ -19,10 +19,11 @@ MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1152, 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def decode_graph_sizes(max_num_seqs: int) -> list:
-    """The batch sizes an engine with this max_num_seqs captures (the last one is the cap)."""
-    top = min(max_num_seqs, GRAPH_BATCH_SIZES[-1])
-    return [b for b in GRAPH_BATCH_SIZES if b < top] + [top]
+def decode_graph_sizes(max_num_seqs: int, sizes=GRAPH_BATCH_SIZES) -> list:
+    """The batch sizes an engine with this max_num_seqs captures (the last one is the cap),
+    from the engine's list of `sizes` (a profile's own list: the engine version it measured)."""
+    top = min(max_num_seqs, sizes[-1])
+    return [b for b in sizes if b < top] + [top]
 
 
 def mixed_graph_sizes(max_num_batched_tokens: int, sizes=MIXED_TOKEN_SIZES) -> list:

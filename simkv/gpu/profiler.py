@@ -17,7 +17,7 @@ serving; the step time is the median of the executor's own CUDA-event span (`las
 copy of the sampled tokens back, as in the engine). Block tables are random permutations of the
 pool, whose K/V are random (never zeros). At block size 16 the profiler also measures the memory
 ledger (weights, activation peak against batched tokens, CUDA-graph pool and everything else)
-and repeats a few eager steps under three host conditions (host_noise.csv).
+and repeats a few steps as they are and pinned to one CPU (host_noise.csv).
 
 Writes `steps.csv`, `swap.csv`, `copy.csv`, `memory.csv`, `ledger.json`, `host_noise.csv` and
 `meta.json` (GPU, driver, versions, clocks observed, date, command) under
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from simkv.core.sizing import PROFILE_ENGINE_BATCHED_TOKENS
+from simkv.errors import InputError
 from simkv.gpu.engine_pass import ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host
 from simkv.gpu.host import frozen_heap, host_conditions, pin_to_cpu
 from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features
@@ -234,6 +236,7 @@ def measure_ledger(executor, model, token_counts, log, serving: dict | None = No
         "grid_other_parts": grid_parts,
         "activation_points": [[int(t), int(p)] for t, p in zip(tokens, peaks)],
         "measured_with": {"block_size": executor.block_size, "max_num_seqs": MAX_NUM_SEQS,
+                          "max_num_batched_tokens": PROFILE_ENGINE_BATCHED_TOKENS,
                           "max_model_len": executor.max_model_len,
                           "dtype": str(executor.dtype).replace("torch.", ""),
                           "kv_pool_bytes": int(executor.kv_pool_bytes),
@@ -463,9 +466,11 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
 
 
 def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 2) -> list:
-    """Repeated timings of a few eager compositions (and one graphed control) under three
-    conditions, interleaved: as is, with Python's garbage collector off, and pinned to one CPU.
-    Rows for host_noise.csv: condition, id, round, rep, time_s, wall_s."""
+    """Repeated timings of a few compositions (graphed since mixed graphs reach 2,048 tokens)
+    under two conditions, interleaved: as is, and pinned to one CPU (the same when the profile
+    itself runs pinned). Rows for host_noise.csv: condition, id, round, rep, time_s, wall_s.
+    (Profiles before the fifth of 2026-11-29 have a third, `gc_off`; execute() now holds
+    collection off in every step.)"""
     import os
     chosen = [p for p in points if p.id in NOISE_IDS]
     tokens = _tokens(executor, rng)
@@ -475,11 +480,9 @@ def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 
     cpus = os.sched_getaffinity(0) if can_pin else None
     rows = []
     for rnd in range(rounds):
-        for condition in ("default", "gc_off", "one_cpu"):
+        for condition in ("default", "one_cpu"):
             if condition == "one_cpu" and not can_pin:
                 continue
-            if condition == "gc_off":
-                gc.disable()
             if condition == "one_cpu":
                 os.sched_setaffinity(0, {min(cpus)})
             try:
@@ -492,7 +495,6 @@ def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 
                                      "rep": rep, "time_s": _sig(executor.last_gpu_s),
                                      "wall_s": _sig(time.perf_counter() - t0)})
             finally:
-                gc.enable()
                 if can_pin:
                     os.sched_setaffinity(0, cpus)
     log(f"  host noise: {len(rows)} timings")
@@ -547,9 +549,13 @@ def main(argv=None) -> int:
         parser.error(f"--reps must be at least 1, got {args.reps}")
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)} (choose from {', '.join(PARTS)})")
-    out = run_profile(args.model, sizes, args.out, args.quick, args.device,
-                      reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,
-                      pin_cpu=args.pin_cpu)
+    try:
+        out = run_profile(args.model, sizes, args.out, args.quick, args.device,
+                          reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,
+                          pin_cpu=args.pin_cpu)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.fit and "steps" in parts:
         from simkv.costmodel.fit import fit_profile
         fit = fit_profile(out)
