@@ -207,12 +207,14 @@ def test_the_committed_8b_profile_predicts_its_measured_decode_step():
     assert m.describe()["holdout_error"]["count"] > 0
 
 
-def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_composition():
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-3.2-1b"])
+def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_composition(model):
+    # (the 1B's fit has a prefill tail term, the 8B's none)
     from simkv.costmodel import step_formula as SF
     from simkv.gpu.profile_design import design, features
-    path = find_profile("h200", "llama-3.1-8b")
+    path = find_profile("h200", model)
     if path is None:
-        pytest.skip("no committed llama-3.1-8b profile")
+        pytest.skip(f"no committed {model} profile")
     fit = json.loads(path.read_text())
     layout = SF.StepLayout(tuple(fit["token_knots"]), tuple(fit["graph_batch_sizes"]),
                           **{k: v for k, v in fit["layout"].items()
@@ -223,6 +225,8 @@ def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_compositio
         f["graph"] = int(layout.is_graphed(f["num_prefill_tokens"], f["num_decode_seqs"]))
         # the decode sequences in batch order, as the fit takes them from the design by id
         f["decode_contexts"] = [s + 1 for s, _, is_decode in point.items if is_decode]
+        f["prefill_chunks"] = [(s, n) for s, n, is_decode in point.items
+                               if not is_decode and n >= 2]
         expected = SF.predict_step(fit["step"]["32"], f, layout, 32)
         plan = plan_of(point.items)
         expected += SF.engine_host_seconds(fit.get("engine_host"), len(plan.scheduled),
@@ -327,3 +331,18 @@ def test_the_step_layout_keeps_the_graph_sizes_the_profiled_engine_captured(tmp_
     assert m.layout.mixed_token_sizes == (16, 32, 64, 128, 256)
     assert m.graph_batch_sizes == [1, 2, 4, 8, 16, 32, 64]
     assert not m.layout.is_graphed(300, 4) and m.layout.is_graphed(250, 4)
+
+
+def test_the_prefill_tail_is_a_short_chunk_over_a_long_prefix():
+    # 128 tokens over 32,768 cached: 2 tiles x 32 heads = 64 programs of ~32,800 keys on 528
+    # slots, far beyond the share; 1,024 new tokens: 512 programs of 64..1,024 keys
+    from simkv.costmodel.step_formula import StepLayout
+    layout = StepLayout((1,), sm_count=132, num_heads=32, prefill_tile=64,
+                        prefill_slots_per_sm=4.0)
+    share = 32 * (2 * 32768 + 64 + 128) / 528
+    assert layout.prefill_tail_tokens([(32768, 128)]) == pytest.approx(32896 - share)
+    assert layout.prefill_tail_tokens([(0, 1024)]) < 0.02 * layout.prefill_tail_tokens(
+        [(32768, 128)])
+    assert layout.prefill_tail_tokens([(0, 64)] * 64) == 0.0       # 2,048 programs, all alike
+    assert StepLayout((1,), sm_count=132, num_heads=32).prefill_tail_tokens([(32768, 128)]) == 0
+    assert layout.prefill_tail_tokens(None) == layout.prefill_tail_tokens([]) == 0.0

@@ -14,6 +14,10 @@ The device work of a forward step of N batched tokens on a given block size (sec
                                                       (StepLayout.decode_tail_tokens)
       + a_pf  * prefill_attention_pairs               prefill attention work (causal q-k pairs)
       + a_ctx * prefill_context_tokens                prefill attention's KV read
+      + a_ptail * prefill_tail_tokens               the prefill kernel's busiest program beyond
+                                                      an even share of all its programs' keys
+                                                      over the GPU's slots (when the CV
+                                                      chooses prefill slots; StepLayout)
       + c_seq * num_seqs                              per-sequence input building, sampling
       + c_prefill_row * N_eff * [step has prefill chunks]    what a step with chunks costs per
                                                       row beyond a decode step of as many
@@ -76,6 +80,9 @@ CV_FOLDS = 5
 # Candidate decode programs resident per SM (StepLayout.decode_slots_per_sm; 0: the busiest
 # program counts in full); the fit takes the one that cross-validates best for each form.
 DECODE_SLOTS = (0, 2, 3, 4, 5, 6, 7, 8)
+# Candidate prefill programs resident per SM (StepLayout.prefill_slots_per_sm; 0: no prefill
+# tail term), chosen after the form and the decode slots.
+PREFILL_SLOTS = (0, 1, 2, 3, 4, 6, 8)
 SIG_DIGITS = 6
 
 
@@ -210,17 +217,23 @@ def with_decode_contexts(steps: pd.DataFrame) -> pd.DataFrame:
     """`steps` with a `decode_contexts` column: each row's decode context lengths in batch order,
     from the profiler's design by id, kept only where they agree with the row's own features
     (count, total and longest context); None otherwise (an id the design does not have, or a
-    composition changed under its id): the tail then takes the longest sequence first."""
-    from simkv.gpu.profile_design import decode_contexts_by_id
-    lookup = decode_contexts_by_id()
-    contexts = []
-    for row in steps[["id", "num_decode_seqs", "decode_context_tokens",
-                      "decode_max_context"]].itertuples(index=False):
+    composition changed under its id): the tail then takes the longest sequence first. And a
+    `prefill_chunks` column: the row's (cached prefix, tokens) chunks from the design, kept where
+    they agree with its prefill tokens and context (None: no prefill tail for the row)."""
+    from simkv.gpu.profile_design import decode_contexts_by_id, prefill_chunks_by_id
+    lookup, chunk_lookup = decode_contexts_by_id(), prefill_chunks_by_id()
+    contexts, chunks = [], []
+    for row in steps[["id", "num_decode_seqs", "decode_context_tokens", "decode_max_context",
+                      "num_prefill_tokens", "prefill_context_tokens"]].itertuples(index=False):
         found = lookup.get(str(row.id))
         agrees = found is not None and (len(found), sum(found), max(found, default=0)) == (
             int(row.num_decode_seqs), int(row.decode_context_tokens), int(row.decode_max_context))
         contexts.append(found if agrees else None)
-    return steps.assign(decode_contexts=contexts)
+        found = chunk_lookup.get(str(row.id))
+        agrees = found is not None and (sum(n for _, n in found), sum(s + n for s, n in found)) \
+            == (int(row.num_prefill_tokens), int(row.prefill_context_tokens))
+        chunks.append(found if agrees else None)
+    return steps.assign(decode_contexts=contexts, prefill_chunks=chunks)
 
 
 def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
@@ -238,6 +251,7 @@ def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
     row += [layout.decode_tail_tokens(b, f["decode_max_context"], ctx, graph, block_size, mixed,
                                       f.get("decode_contexts")),
             f["prefill_attention_pairs"], f["prefill_context_tokens"],
+            layout.prefill_tail_tokens(f.get("prefill_chunks")),
             f["num_decode_seqs"] + f["num_prefill_seqs"],
             float(b) if graph and mixed else 0.0,
             1.0 if graph and mixed else 0.0,
@@ -251,7 +265,7 @@ def coef_names(form: str, token_knots) -> list:
     names += [f"a_decode_s_per_token@b{k}" for k in BATCH_KNOTS] if FORMS[form] \
         else ["a_decode_s_per_token"]
     return names + ["a_decode_longest_s_per_token", "a_prefill_s_per_pair",
-                    "a_prefill_ctx_s_per_token", "c_seq_s", "c_mixed_seq_s", "c_mixed_s",
+                    "a_prefill_ctx_s_per_token", "a_prefill_tail_s_per_token", "c_seq_s", "c_mixed_seq_s", "c_mixed_s",
                     "c_prefill_row_s", "c_eager_s",
                     "host_floor_s",
                     "host_floor_s_per_seq"]
@@ -267,14 +281,16 @@ def pack_step_coefs(c, h, form: str, token_knots) -> dict:
     return {"t_linear_s": c[:k], "a_decode_s_per_token": c[k:j],
             "a_decode_longest_s_per_token": c[j],
             "a_prefill_s_per_pair": c[j + 1], "a_prefill_ctx_s_per_token": c[j + 2],
-            "c_seq_s": c[j + 3], "c_mixed_seq_s": c[j + 4], "c_mixed_s": c[j + 5],
-            "c_prefill_row_s": c[j + 6], "c_eager_s": c[j + 7],
+            "a_prefill_tail_s_per_token": c[j + 3],
+            "c_seq_s": c[j + 4], "c_mixed_seq_s": c[j + 5], "c_mixed_s": c[j + 6],
+            "c_prefill_row_s": c[j + 7], "c_eager_s": c[j + 8],
             "host_floor_s": _round(float(h[0])), "host_floor_s_per_seq": _round(float(h[1]))}
 
 
 def _design(df: pd.DataFrame, form: str, layout: StepLayout, block_size: int) -> tuple:
     """(device-work matrix, host-floor matrix, eager mask) of a frame of steps."""
-    columns = list(STEP_COLUMNS[2:-1]) + (["decode_contexts"] if "decode_contexts" in df else [])
+    columns = list(STEP_COLUMNS[2:-1]) + [c for c in ("decode_contexts", "prefill_chunks")
+                                          if c in df]
     rows = df[columns].to_dict("records")
     x = np.array([feature_row(r, form, layout, block_size) for r in rows], float)
     # T_lin never falls as tokens grow: fit its non-negative increments between knots
@@ -442,6 +458,18 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     chosen = next(n for n in CANDIDATES if cv[n]["rms"] <= best * 1.05 + 1e-12)
     form, sharing, *floor = chosen.split("/")
     layout = replace(layout, decode_slots_per_sm=float(cv[chosen]["decode_slots_per_sm"]))
+    # Then the prefill kernel's concurrent programs per SM for that form (0: no prefill tail
+    # term), by CV on the same folds: 0 unless another count is more than 5% better.
+    rms_by_prefill = {}
+    for slots in PREFILL_SLOTS:
+        trial = replace(layout, prefill_slots_per_sm=float(slots))
+        x, hx, eager, rows, fold, _ = _joint_design(train, form, sharing, trial, block_sizes)
+        errs = _cv_errors(x, hx, t_train[rows], eager, fold, bool(floor))
+        rms_by_prefill[slots] = round(float(np.sqrt(np.mean(errs ** 2))), 4)
+    best_prefill = min(rms_by_prefill, key=lambda k: (rms_by_prefill[k], k))
+    prefill_slots = 0 if rms_by_prefill[0] <= rms_by_prefill[best_prefill] * 1.05 + 1e-12 \
+        else best_prefill
+    layout = replace(layout, prefill_slots_per_sm=float(prefill_slots))
 
     x, hx, eager, rows, _, unpack = _joint_design(train, form, sharing, layout, block_sizes)
     c_all, h_all = _fit_rows(x, hx, t_train[rows], eager, bool(floor))
@@ -495,8 +523,15 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
                                      "candidate the decode_slots_per_sm of DECODE_SLOTS with "
                                      "the smallest RMS, then the simplest candidate within 5% "
                                      "of the best RMS relative error (candidates simplest "
-                                     "first; '/floor': with the eager steps' host floor)",
+                                     "first; '/floor': with the eager steps' host floor); "
+                                     "then, for it, the prefill_slots_per_sm of PREFILL_SLOTS "
+                                     "with the smallest RMS unless 0 (no prefill tail) is "
+                                     "within 5% of it",
                            "decode_slots_candidates": list(DECODE_SLOTS),
+                           "prefill_slots_candidates": list(PREFILL_SLOTS),
+                           "rms_by_prefill_slots": {str(k): v for k, v in
+                                                    rms_by_prefill.items()},
+                           "prefill_slots_per_sm": prefill_slots,
                            "candidates": list(CANDIDATES), "cv_error": cv, "chosen": chosen},
     }
 
@@ -542,7 +577,8 @@ def fit_profile(profile_dir, out=None) -> dict:
            "kv_dtype": meta.get("kv_dtype", "bf16"),
            "formula": ("G = T_lin(N_eff) + a_dec(B) * decode_context_tokens + a_long * "
                        "decode_tail_tokens + a_pf * "
-                       "prefill_attention_pairs + a_ctx * prefill_context_tokens + c_seq * "
+                       "prefill_attention_pairs + a_ctx * prefill_context_tokens + a_ptail * "
+                       "prefill_tail_tokens + c_seq * "
                        "num_seqs + c_prefill_row * N_eff * [prefill chunks] + (c_mixed + "
                        "c_mixed_seq * num_decode_seqs) * [graphed mixed] + c_eager * [eager]; "
                        "graphed step: t = G; eager step: "

@@ -160,15 +160,16 @@ class ProfiledCostModel:
         if not isinstance(layout, dict):
             raise InputError(f"{path}: key 'layout' must be an object")
         fields = {}
-        for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs"):
+        for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs",
+                    "num_heads", "prefill_tile"):
             if key in layout:
                 fields[key] = int(_numbers(layout[key], f"layout.{key}", path)[0])
-        if "decode_slots_per_sm" in layout:
-            slots = _numbers(layout["decode_slots_per_sm"], "layout.decode_slots_per_sm", path)[0]
-            if slots < 0:
-                raise InputError(f"{path}: key 'layout.decode_slots_per_sm' must be >= 0, got "
-                                 f"{slots:g}")
-            fields["decode_slots_per_sm"] = slots
+        for key in ("decode_slots_per_sm", "prefill_slots_per_sm"):
+            if key in layout:
+                slots = _numbers(layout[key], f"layout.{key}", path)[0]
+                if slots < 0:
+                    raise InputError(f"{path}: key 'layout.{key}' must be >= 0, got {slots:g}")
+                fields[key] = slots
         if layout.get("decode_tail_in_order"):
             fields["decode_tail_in_order"] = True
         if layout.get("mixed_token_sizes"):
@@ -186,7 +187,7 @@ class ProfiledCostModel:
                 coefs[key] = value if key in ("t_linear_s", "a_decode_s_per_token") else value[0]
             for key in ("host_floor_s", "host_floor_s_per_seq", "c_mixed_seq_s", "c_mixed_s",
                         "c_prefill_row_s",    # absent: no such term
-                        "a_decode_longest_s_per_token"):
+                        "a_decode_longest_s_per_token", "a_prefill_tail_s_per_token"):
                 coefs[key] = _numbers(entry.get(key, 0.0), f"step.{bs}.{key}", path)[0]
             if len(coefs["t_linear_s"]) != len(self.token_knots):
                 raise InputError(f"{path}: key 'step.{bs}.t_linear_s' has "
@@ -241,6 +242,7 @@ class ProfiledCostModel:
         self._a_dec = c["a_decode_s_per_token"]
         self._a_pf = c["a_prefill_s_per_pair"]
         self._a_ctx = c["a_prefill_ctx_s_per_token"]
+        self._a_ptail = c.get("a_prefill_tail_s_per_token", 0.0)
         self._c_seq = c["c_seq_s"]
         self._c_eager = c["c_eager_s"]
         self._c_mixed_seq = c.get("c_mixed_seq_s", 0.0)
@@ -319,6 +321,9 @@ class ProfiledCostModel:
                 decodes, longest, decode_context, graph, self.block_size, mixed, contexts)
         seconds += self._a_pf * pairs
         seconds += self._a_ctx * prefill_context
+        if self._a_ptail and prefill_tokens:
+            seconds += self._a_ptail * layout.prefill_tail_tokens(
+                [(s.start, s.num_tokens) for s in plan.scheduled if s.num_tokens > 1])
         seconds += self._c_seq * num_seqs
         if graph and mixed:
             seconds += self._c_mixed_seq * decodes + self._c_mixed

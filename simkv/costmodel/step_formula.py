@@ -80,6 +80,10 @@ class StepLayout:
                                        # busiest program, as fits before this field did)
     decode_tail_in_order: bool = False  # list-schedule the batch's programs in launch order
                                         # (fits from 2026-11-29's fourth profile on)
+    num_heads: int = 0                 # query heads: the prefill kernel's programs per tile
+    prefill_tile: int = 64             # query tokens per prefill-kernel program (BLOCK_M)
+    prefill_slots_per_sm: float = 0.0  # prefill programs an SM runs at once (0: no prefill
+                                       # tail term, as fits before the fifth profile's)
 
     def mixed_size(self, num_tokens: int) -> int:
         """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
@@ -178,6 +182,24 @@ class StepLayout:
         share = self.num_kv_heads * context_tokens / (self.decode_slots_per_sm * self.sm_count)
         return max(0.0, longest - share)
 
+    def prefill_tail_tokens(self, chunks) -> float:
+        """Key tokens by which the prefill kernel's busiest program reads beyond an even share
+        of all its programs' keys over the GPU's slots (sm_count x prefill_slots_per_sm). One
+        program takes `prefill_tile` query tokens of one chunk for one query head and reads the
+        keys up to its last query (the cached prefix and the chunk so far), so a short chunk over
+        a long prefix (128 tokens over 32,768: 2 tiles x 32 heads = 64 programs on 132 SMs) is
+        as long as its busiest program, and a long chunk (16 tiles) fills the GPU. `chunks`:
+        (cached prefix, chunk tokens) of the step's prefill chunks of two or more tokens."""
+        if not (chunks and self.prefill_slots_per_sm and self.sm_count and self.num_heads):
+            return 0.0
+        tile, total, busiest = self.prefill_tile, 0, 0
+        for start, n in chunks:
+            tiles = -(-n // tile)
+            total += tiles * start + tile * (tiles - 1) * tiles // 2 + n
+            busiest = max(busiest, start + n)
+        share = self.num_heads * total / (self.prefill_slots_per_sm * self.sm_count)
+        return max(0.0, busiest - share)
+
     def to_json(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
@@ -196,6 +218,8 @@ def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
         except InputError:
             max_len = 0
     return StepLayout(token_knots=tuple(token_knots_for(max_tokens)),
+                      num_heads=int(shape.get("num_heads", 0)),
+                      prefill_tile=int(meta.get("prefill_tile") or 64),
                       graph_batch_sizes=tuple(sorted(int(b) for b in
                                                      meta.get("graph_batch_sizes") or [])),
                       sm_count=int(meta.get("sm_count") or 0),
@@ -229,6 +253,8 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
         f.get("decode_contexts"))
     seconds += coefs["a_prefill_s_per_pair"] * f["prefill_attention_pairs"]
     seconds += coefs["a_prefill_ctx_s_per_token"] * f["prefill_context_tokens"]
+    seconds += coefs.get("a_prefill_tail_s_per_token", 0.0) * layout.prefill_tail_tokens(
+        f.get("prefill_chunks"))
     seconds += coefs["c_seq_s"] * seqs
     if graph and mixed:
         seconds += coefs.get("c_mixed_seq_s", 0.0) * b + coefs.get("c_mixed_s", 0.0)

@@ -147,6 +147,18 @@ def decode_contexts_by_id() -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def prefill_chunks_by_id() -> dict:
+    """id -> the composition's prefill chunks (cached prefix, chunk tokens) of two or more
+    tokens, in batch order, for the full and the quick grid (the fit's prefill tail)."""
+    out = {}
+    for quick in (False, True):
+        for point in design(quick):
+            out.setdefault(point.id, tuple((s, n) for s, n, is_decode in point.items
+                                           if not is_decode and n >= 2))
+    return out
+
+
 def features(items) -> dict:
     """Cost-model features of a composition (as `Scheduler._finalise` computes them)."""
     f = dict(num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0, num_decode_seqs=0,

@@ -399,7 +399,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     smi_before = _nvidia_smi() if cuda else {}
     data = {"steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": [],
             "engine": [], "serving_ledger": None}
-    graph_sizes, mixed_sizes, dtype, tile = [], [], None, None
+    graph_sizes, mixed_sizes, dtype, tile, prefill_tile = [], [], None, None, None
     done, longest = [], 0.0
     # The engine pass first: the serving engine's memory (its allocator slack at the peak is what
     # sizing subtracts) is measured with the process's first executor (a later one can find
@@ -423,6 +423,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         if executor.attention == "triton":
             from simkv.gpu import kernels
             tile = kernels.decode_config(bs, model.head_dim, dtype).tile
+            prefill_tile = kernels.prefill_config(model.head_dim, dtype).block_m
         if "steps" in parts:
             data["steps"] += profile_block_size(executor, points, rng, reps, log)
         if "transfers" in parts:
@@ -451,7 +452,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         meta = _meta(model, dev, dtype, sorted(done), quick, graph_sizes, command, smi_before)
         if data["engine"]:
             meta["engine_pass"] = ENGINE_PASS_NOTE
-        meta.update(host_conditions=host_conditions(), parts=list(parts), decode_tile=tile, max_num_seqs=MAX_NUM_SEQS,
+        meta.update(host_conditions=host_conditions(), parts=list(parts), decode_tile=tile, prefill_tile=prefill_tile,
+                    max_num_seqs=MAX_NUM_SEQS,
                     mixed_token_sizes=list(mixed_sizes),
                     max_model_len=model.max_position_embeddings,
                     profile_seconds=round(time.perf_counter() - started, 1))

@@ -47,7 +47,8 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     from simkv.core.specs import profiles_dir
     from simkv.core.traces import load_trace
     from simkv.sim.engine import simulate
-    from simkv.sim.setup import build_cost_model, build_scheduler, load_requests_frame
+    from simkv.core.sizing import size_pool
+    from simkv.sim.setup import build_cost_model, load_requests_frame
     measured_dir = Path(measured_dir)
     if not (measured_dir / "meta.json").is_file():
         raise InputError(f"{measured_dir}: no meta.json (a folder written by the measuring half: "
@@ -63,7 +64,9 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
                          "time_scale")
     runs = {run: read_run(measured_dir / run) for run in RUNS}
     measured = runs["realtime"]["summary"]
-    _, sizing = build_scheduler(scn)
+    # the sizing alone: a KV manager of an unlimited pool (a tiny model on an H200: 130 million
+    # blocks) would take gigabytes just to be thrown away
+    sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
     # The simulator serves the pool the engine served: `num_blocks` (below) checks the sizing
     # on its own, and a profile re-measured since the run must not change the pool compared.
     served_blocks = int(measured.get("num_blocks") or 0)

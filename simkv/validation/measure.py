@@ -41,9 +41,9 @@ class _Bench:
                 s.max_num_seqs, s.max_model_len, s.max_num_batched_tokens)
 
     def engine(self, scn, frame):
+        from simkv.core.sizing import size_pool
         from simkv.gpu.engine import Engine
-        from simkv.sim.setup import build_scheduler
-        _, sizing = build_scheduler(scn)
+        sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
         key = self._executor_key(scn, sizing.num_blocks)
         if key != self.executor_key:
             self.release()
