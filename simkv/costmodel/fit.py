@@ -154,6 +154,16 @@ def _round(value: float, digits: int = SIG_DIGITS) -> float:
     return float(f"{value:.{digits}g}")
 
 
+def _rms(err) -> float:
+    """Root mean square of relative errors, rounded as the fit reports it."""
+    return round(float(np.sqrt(np.mean(np.asarray(err) ** 2))), 4)
+
+
+def _close_enough(rms: float, best: float) -> bool:
+    """The CV rule: a simpler choice wins when its RMS is within 5% (relative) of the best."""
+    return rms <= best * 1.05 + 1e-12
+
+
 def rel_error_summary(pred, meas) -> dict:
     """{median, p95, max, count} of |pred - meas| / meas."""
     pred, meas = np.asarray(pred, float), np.asarray(meas, float)
@@ -213,7 +223,7 @@ def holdout_mask(steps: pd.DataFrame) -> np.ndarray:
 # Step features and prediction (shared with ProfiledCostModel)
 
 
-def with_decode_contexts(steps: pd.DataFrame) -> pd.DataFrame:
+def with_design_items(steps: pd.DataFrame) -> pd.DataFrame:
     """`steps` with a `decode_contexts` column: each row's decode context lengths in batch order,
     from the profiler's design by id, kept only where they agree with the row's own features
     (count, total and longest context); None otherwise (an id the design does not have, or a
@@ -265,8 +275,8 @@ def coef_names(form: str, token_knots) -> list:
     names += [f"a_decode_s_per_token@b{k}" for k in BATCH_KNOTS] if FORMS[form] \
         else ["a_decode_s_per_token"]
     return names + ["a_decode_longest_s_per_token", "a_prefill_s_per_pair",
-                    "a_prefill_ctx_s_per_token", "a_prefill_tail_s_per_token", "c_seq_s", "c_mixed_seq_s", "c_mixed_s",
-                    "c_prefill_row_s", "c_eager_s",
+                    "a_prefill_ctx_s_per_token", "a_prefill_tail_s_per_token", "c_seq_s",
+                    "c_mixed_seq_s", "c_mixed_s", "c_prefill_row_s", "c_eager_s",
                     "host_floor_s",
                     "host_floor_s_per_seq"]
 
@@ -422,7 +432,7 @@ def fit_transfer(df: pd.DataFrame) -> dict:
 def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     """Fit the step model of every block size; choose the form by cross-validation on the
     training rows (the held-out rows are never seen before the final error)."""
-    steps = with_decode_contexts(steps.reset_index(drop=True))
+    steps = with_design_items(steps.reset_index(drop=True))
     held = holdout_mask(steps)
     layout = replace(layout_from_meta(meta or {}, int((steps["num_prefill_tokens"]
                                                        + steps["num_decode_tokens"]).max())),
@@ -446,7 +456,7 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
                 errs = _cv_errors(x, hx, t_train[rows], eager, fold, bool(floor))
                 score = {"median": round(float(np.median(errs)), 4),
                          "p95": round(float(np.percentile(errs, 95)), 4),
-                         "rms": round(float(np.sqrt(np.mean(errs ** 2))), 4),
+                         "rms": _rms(errs),
                          "decode_slots_per_sm": slots}
                 rms_by_slots = cv[name]["rms_by_decode_slots"] if name in cv else {}
                 rms_by_slots[str(slots)] = score["rms"]
@@ -455,7 +465,7 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
                 cv[name]["rms_by_decode_slots"] = rms_by_slots
     # The simplest candidate whose CV RMS error is within 5% (relative) of the best one.
     best = min(v["rms"] for v in cv.values())
-    chosen = next(n for n in CANDIDATES if cv[n]["rms"] <= best * 1.05 + 1e-12)
+    chosen = next(n for n in CANDIDATES if _close_enough(cv[n]["rms"], best))
     form, sharing, *floor = chosen.split("/")
     layout = replace(layout, decode_slots_per_sm=float(cv[chosen]["decode_slots_per_sm"]))
     # Then the prefill kernel's concurrent programs per SM for that form (0: no prefill tail
@@ -465,9 +475,9 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
         trial = replace(layout, prefill_slots_per_sm=float(slots))
         x, hx, eager, rows, fold, _ = _joint_design(train, form, sharing, trial, block_sizes)
         errs = _cv_errors(x, hx, t_train[rows], eager, fold, bool(floor))
-        rms_by_prefill[slots] = round(float(np.sqrt(np.mean(errs ** 2))), 4)
+        rms_by_prefill[slots] = _rms(errs)
     best_prefill = min(rms_by_prefill, key=lambda k: (rms_by_prefill[k], k))
-    prefill_slots = 0 if rms_by_prefill[0] <= rms_by_prefill[best_prefill] * 1.05 + 1e-12 \
+    prefill_slots = 0 if _close_enough(rms_by_prefill[0], rms_by_prefill[best_prefill]) \
         else best_prefill
     layout = replace(layout, prefill_slots_per_sm=float(prefill_slots))
 

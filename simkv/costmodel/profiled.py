@@ -280,8 +280,17 @@ class ProfiledCostModel:
         decode_context = plan.decode_context_tokens
         pairs, prefill_context = plan.prefill_attention_pairs, plan.prefill_context_tokens
         longest = getattr(plan, "decode_max_context", 0)
-        if prefill_tokens:
-            ones = [s.start + 1 for s in plan.scheduled if s.num_tokens == 1 and not s.is_decode]
+        contexts = None       # the decode rows' contexts in batch order (the decode tail's)
+        chunks = None         # the prefill chunks of two or more tokens (the prefill tail's)
+        if prefill_tokens:    # one pass over a step with chunks
+            contexts, chunks, ones = [], [], []
+            for s in plan.scheduled:
+                if s.num_tokens > 1:
+                    chunks.append((s.start, s.num_tokens))
+                else:
+                    contexts.append(s.start + 1)
+                    if not s.is_decode:
+                        ones.append(s.start + 1)
             if ones:
                 k, context = len(ones), sum(ones)
                 prefill_tokens, prefill_seqs = prefill_tokens - k, prefill_seqs - k
@@ -313,17 +322,17 @@ class ProfiledCostModel:
                 per_token = self._a_dec_cache[decodes] = sum(wi * ai for wi, ai in zip(w, a_dec))
             seconds += per_token * decode_context
         if self._a_long and decodes:
-            if not longest:          # plans that do not carry the feature: scan the batch
-                longest = max(s.start for s in plan.scheduled if s.num_tokens == 1) + 1
-            contexts = ([s.start + 1 for s in plan.scheduled if s.num_tokens == 1]
-                        if layout.decode_tail_in_order else None)
+            if contexts is None and (layout.decode_tail_in_order or not longest):
+                contexts = [s.start + 1 for s in plan.scheduled]     # every item is a decode
+            if not longest:          # plans that do not carry the feature
+                longest = max(contexts)
             seconds += self._a_long * layout.decode_tail_tokens(
-                decodes, longest, decode_context, graph, self.block_size, mixed, contexts)
+                decodes, longest, decode_context, graph, self.block_size, mixed,
+                contexts if layout.decode_tail_in_order else None)
         seconds += self._a_pf * pairs
         seconds += self._a_ctx * prefill_context
         if self._a_ptail and prefill_tokens:
-            seconds += self._a_ptail * layout.prefill_tail_tokens(
-                [(s.start, s.num_tokens) for s in plan.scheduled if s.num_tokens > 1])
+            seconds += self._a_ptail * layout.prefill_tail_tokens(chunks)
         seconds += self._c_seq * num_seqs
         if graph and mixed:
             seconds += self._c_mixed_seq * decodes + self._c_mixed

@@ -28,9 +28,10 @@ class RooflineParams:
     # mixed-step graph launched from the host) costs the "eager" overhead. Both are a fixed
     # overhead per layer (the kernels' launch gaps and tails; a model with half the layers runs
     # half the kernels). Counting graphed mixed steps as graphed instead fitted worse (8B
-    # median 8.9% against 5.0%, 1B 12.7% against 10.7%; profiles of 2026-11-29, fifth). When these are set they replace step_overhead_s. `graph_step_overhead_s` (one
-    # overhead per graphed step whatever the layers) is the form of calibrations written before
-    # 2026-11-29's third profile; it is used when `graph_overhead_s_per_layer` is absent.
+    # median 8.9% against 5.0%, 1B 12.7% against 10.7%; profiles of 2026-11-29, fifth). When
+    # these are set they replace step_overhead_s. `graph_step_overhead_s` (one overhead per
+    # graphed step whatever the layers) is the form of calibrations written before 2026-11-29's
+    # third profile; it is used when `graph_overhead_s_per_layer` is absent.
     graph_overhead_s_per_layer: Optional[float] = None
     eager_overhead_s_per_layer: Optional[float] = None
     graph_step_overhead_s: Optional[float] = None

@@ -71,8 +71,9 @@ def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
         rows.append({"step": int(r.step), "num_seqs": int(r.num_seqs),
                      "num_prefill_tokens": int(r.num_prefill_tokens),
                      "num_decode_tokens": int(r.num_decode_tokens),
-                     "preempted": int(r.preempted), "duration_s": _sig(r.duration_s),
-                     "exec_s": _sig(r.exec_s), "outside_s": _sig(r.duration_s - r.exec_s)})
+                     "preempted": int(r.preempted), "duration_s": six_digits(r.duration_s),
+                     "exec_s": six_digits(r.exec_s),
+                     "outside_s": six_digits(r.duration_s - r.exec_s)})
     ex = engine.executor
     ledger = {k: v for k, v in ex.ledger.report(ex.weight_bytes, ex.kv_pool_bytes, int(
         ex.profile.get("peak_bytes", 0))).items() if k != "stages"}
@@ -84,5 +85,6 @@ def measure_engine_host(model, dev, seed: int, log, num_requests: int = 240,
     return rows, ledger
 
 
-def _sig(x: float) -> str:
+def six_digits(x: float) -> str:
+    """A measured time as the profile's CSVs store it (6 significant digits)."""
     return f"{x:.6g}"

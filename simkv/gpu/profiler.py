@@ -41,7 +41,8 @@ import numpy as np
 
 from simkv.core.sizing import PROFILE_ENGINE_BATCHED_TOKENS
 from simkv.errors import InputError
-from simkv.gpu.engine_pass import ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host
+from simkv.gpu.engine_pass import (ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host,
+                                   six_digits)
 from simkv.gpu.host import frozen_heap, host_conditions, pin_to_cpu
 from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features
 
@@ -116,10 +117,6 @@ def _tokens(executor, rng) -> list:
     return rng.integers(0, executor.spec.vocab_size, MAX_CACHED_TOKENS + 65536).tolist()
 
 
-def _sig(x: float) -> str:
-    return f"{x:.6g}"
-
-
 def _summary(times: list, walls: list) -> dict:
     t = np.array(times)
     return {"time_s": float(np.median(t)), "time_p10_s": float(np.percentile(t, 10)),
@@ -159,7 +156,7 @@ def profile_block_size(executor, points, rng, reps: int, log) -> list:
     for i, point in enumerate(points):
         row = {"id": point.id, "family": point.family, "block_size": bs,
                **features(point.items), "graph": graphed[i]}
-        row.update({k: (_sig(v) if isinstance(v, float) else v)
+        row.update({k: (six_digits(v) if isinstance(v, float) else v)
                     for k, v in _summary(times[i], walls[i]).items()})
         rows.append(row)
     log(f"  block size {bs}: {len(rows)} compositions")
@@ -182,11 +179,11 @@ def profile_transfers(executor, rng, reps: int, max_bytes: float, log) -> tuple:
         for direction, plan in (("out", out), ("in", back)):
             row = {"direction": direction, "block_size": bs, "num_blocks": n,
                    "bytes": n * bytes_per_block}
-            row.update({k: (_sig(v) if isinstance(v, float) else v)
+            row.update({k: (six_digits(v) if isinstance(v, float) else v)
                         for k, v in _time(executor, plan, reps, warmup=2).items() if k != "wall_s"})
             swap_rows.append(row)
         row = {"block_size": bs, "num_blocks": n, "bytes": 2 * n * bytes_per_block}
-        row.update({k: (_sig(v) if isinstance(v, float) else v)
+        row.update({k: (six_digits(v) if isinstance(v, float) else v)
                     for k, v in _time(executor, copies, reps).items() if k != "wall_s"})
         copy_rows.append(row)
     log(f"  block size {bs}: swaps and copies up to {counts[-1]} blocks")
@@ -452,8 +449,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         meta = _meta(model, dev, dtype, sorted(done), quick, graph_sizes, command, smi_before)
         if data["engine"]:
             meta["engine_pass"] = ENGINE_PASS_NOTE
-        meta.update(host_conditions=host_conditions(), parts=list(parts), decode_tile=tile, prefill_tile=prefill_tile,
-                    max_num_seqs=MAX_NUM_SEQS,
+        meta.update(host_conditions=host_conditions(), parts=list(parts), decode_tile=tile,
+                    prefill_tile=prefill_tile, max_num_seqs=MAX_NUM_SEQS,
                     mixed_token_sizes=list(mixed_sizes),
                     max_model_len=model.max_position_embeddings,
                     profile_seconds=round(time.perf_counter() - started, 1))
@@ -494,8 +491,8 @@ def measure_host_noise(executor, points, rng, log, reps: int = 8, rounds: int = 
                         t0 = time.perf_counter()
                         executor.execute(plan)
                         rows.append({"condition": condition, "id": pid, "round": rnd,
-                                     "rep": rep, "time_s": _sig(executor.last_gpu_s),
-                                     "wall_s": _sig(time.perf_counter() - t0)})
+                                     "rep": rep, "time_s": six_digits(executor.last_gpu_s),
+                                     "wall_s": six_digits(time.perf_counter() - t0)})
             finally:
                 if can_pin:
                     os.sched_setaffinity(0, cpus)
