@@ -141,3 +141,15 @@ def test_run_writes_results_and_reports_bad_override(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: ") and "block_size" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_the_run_ends_when_the_last_request_is_final_not_at_a_later_cancellation_timer():
+    from simkv.sim.setup import load_requests_frame
+    scn = simkv.load_scenario(ROOT / "scenarios" / "quickstart.yaml",
+                              overrides={"workload.limit": 5})
+    frame = load_requests_frame(scn)
+    frame["cancel_after_s"] = 1000.0          # long after every request has finished
+    res = simulate(scn, trace_df=frame)
+    assert res.summary["requests_completed"] == 5
+    last_step_end = float((res.steps["start_s"] + res.steps["duration_s"]).max())
+    assert res.summary["sim_duration_s"] == pytest.approx(last_step_end)

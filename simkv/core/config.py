@@ -58,6 +58,7 @@ class Scenario:
     model: Any                                  # simkv.core.specs.ModelSpec
     gpu: Any                                    # simkv.core.specs.GpuSpec
     cost_model: str = "auto"                    # auto | profile | roofline | PATH
+    gpu_clock: str = "auto"                     # auto: the profile's clock model, if any | fixed
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -78,6 +79,7 @@ TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
     "model": (str, False),
     "gpu": (str, False),
     "cost_model": (str, False),
+    "gpu_clock": (str, False),
     "seed": (int, False),
 }
 CHOICES = {
@@ -89,6 +91,7 @@ CHOICES = {
     "workload.format": ("auto", "azure", "mooncake", "burstgpt", "csv"),
 }
 COST_MODEL_KEYWORDS = ("auto", "profile", "roofline")
+GPU_CLOCK_CHOICES = ("auto", "fixed")
 FREE_FORM = "workload.synthetic"    # its contents belong to the workload generator
 SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2e|queue)(_p\d{1,2}|_mean)?_s$")
 SLO_EXAMPLES = "ttft_s, tpot_s, itl_s, e2e_s, queue_s, with _pNN or _mean before _s (ttft_p90_s)"
@@ -438,6 +441,9 @@ def load_scenario(
         gpu = load_gpu(top.get("gpu", "h200"))
     except InputError as e:
         v.fail("gpu", str(e))
+    gpu_clock = top.get("gpu_clock", "auto")
+    if gpu_clock not in GPU_CLOCK_CHOICES:
+        v.fail("gpu_clock", f"{gpu_clock!r} is not one of {', '.join(GPU_CLOCK_CHOICES)}")
     cost_model = top.get("cost_model", "auto")
     if cost_model not in COST_MODEL_KEYWORDS:
         cost_model = _resolve(cost_model, base_dir)
@@ -452,6 +458,7 @@ def load_scenario(
         model=model,
         gpu=gpu,
         cost_model=cost_model,
+        gpu_clock=gpu_clock,
         seed=top.get("seed", 0),
         cache=cache,
         scheduler=scheduler,
@@ -482,6 +489,7 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "model": scn.model.name,
         "gpu": scn.gpu.name,
         "cost_model": scn.cost_model,
+        "gpu_clock": scn.gpu_clock,
         "seed": scn.seed,
         "cache": asdict(scn.cache),
         "scheduler": asdict(scn.scheduler),

@@ -330,6 +330,9 @@ class Scheduler:
         plan.num_decode_tokens = decode_tokens
         plan.num_prefill_seqs = prefill_seqs
         plan.decode_context_tokens = decode_ctx
+        if decode_ctx:
+            plan.decode_shared_context_tokens = min(
+                decode_ctx, self.kv.num_shared_block_refs * self.kv.block_size)
         plan.prefill_context_tokens = prefill_ctx
         plan.prefill_attention_pairs = pairs
         if self.kv.copies:

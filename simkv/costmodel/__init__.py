@@ -26,9 +26,10 @@ def load_cost_model(scenario):
             path = find_profile(scenario.gpu.name, scenario.model.name)
         if path is not None and find_profile is not None:
             try:
-                return ProfiledCostModel.load(path, block_size=cache.block_size,
-                                              kv_dtype=cache.kv_dtype, model=scenario.model,
-                                              gpu=scenario.gpu, scheduler=scenario.scheduler)
+                profiled = ProfiledCostModel.load(path, block_size=cache.block_size,
+                                                  kv_dtype=cache.kv_dtype, model=scenario.model,
+                                                  gpu=scenario.gpu, scheduler=scenario.scheduler)
+                return _with_clock(profiled, scenario)
             except BlockSizeNotProfiled as e:
                 if choice != "auto":
                     raise
@@ -42,6 +43,19 @@ def load_cost_model(scenario):
         raise InputError(f"cost_model: unknown value {choice!r} (auto, profile, roofline, or a "
                          "path to a fit.json)")
     return _roofline(scenario)
+
+
+def _with_clock(profiled, scenario):
+    """The profiled model under the profile's clock model (clock.json beside the fit), unless
+    the scenario says `gpu_clock: fixed`."""
+    from simkv.costmodel.clock import CLOCK_FILE, ClockedCostModel, load_clock
+    if scenario.gpu_clock == "fixed":
+        return profiled
+    profile_dir = profiled.path.parent
+    clock = load_clock(profile_dir)
+    if clock is None:
+        return profiled
+    return ClockedCostModel(profiled, clock, scenario.model, str(profile_dir / CLOCK_FILE))
 
 
 def _roofline(scenario):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from simkv.core.specs import KV_DTYPE_BYTES, profiles_dir
 from simkv.costmodel.fit import FIT_FORMAT
+from simkv.costmodel.shared_reads import load_shared_reads
 from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
                                           hats, transfer_seconds)
 from simkv.errors import InputError
@@ -100,6 +101,11 @@ class ProfiledCostModel:
         self.bytes_per_block = kv_per_token * self.block_size
         if scheduler is not None:
             self._follow_scheduler(scheduler, model)
+        # A block that several decode sequences read (forks, prefix hits) is read again from
+        # L2: each repeated read saves this share of a read from HBM (shared_reads.json, a
+        # measurement beside the fit; without one, repeated reads cost as much as any).
+        self.shared_reads = load_shared_reads(self.path.parent)
+        self._shared_saving = self.shared_reads["saving"] if self.shared_reads else 0.0
         self._prepare()
 
     def _follow_scheduler(self, sched, model) -> None:
@@ -267,6 +273,17 @@ class ProfiledCostModel:
         return values[i - 1] + f * (values[i] - values[i - 1])
 
     # -- the model ----------------------------------------------------------------------------
+    def decode_token_seconds(self, decodes: int) -> float:
+        """Decode attention's seconds per context token read, in a batch of `decodes`."""
+        a_dec = self._a_dec
+        if len(a_dec) == 1:
+            return a_dec[0]
+        per_token = self._a_dec_cache.get(decodes)
+        if per_token is None:
+            w = hats(math.log2(decodes), LOG_BATCH_KNOTS, False)
+            per_token = self._a_dec_cache[decodes] = sum(wi * ai for wi, ai in zip(w, a_dec))
+        return per_token
+
     def forward_seconds(self, plan) -> float:
         """Seconds of the forward pass of `plan` (no copies or swaps).
 
@@ -312,15 +329,11 @@ class ProfiledCostModel:
         seconds = self._linear_cache.get(rows)
         if seconds is None:
             seconds = self._linear_cache[rows] = self._linear(rows)
-        a_dec = self._a_dec
-        if len(a_dec) == 1:
-            seconds += a_dec[0] * decode_context
-        elif decodes:
-            per_token = self._a_dec_cache.get(decodes)
-            if per_token is None:
-                w = hats(math.log2(decodes), LOG_BATCH_KNOTS, False)
-                per_token = self._a_dec_cache[decodes] = sum(wi * ai for wi, ai in zip(w, a_dec))
-            seconds += per_token * decode_context
+        if decodes:
+            shared = getattr(plan, "decode_shared_context_tokens", 0) \
+                if self._shared_saving else 0
+            seconds += self.decode_token_seconds(decodes) * (
+                decode_context - self._shared_saving * shared if shared else decode_context)
         if self._a_long and decodes:
             if contexts is None and (layout.decode_tail_in_order or not longest):
                 contexts = [s.start + 1 for s in plan.scheduled]     # every item is a decode
@@ -346,7 +359,12 @@ class ProfiledCostModel:
     def predict(self, plan) -> float:
         """Seconds for one step: block copies, swaps, the forward pass, and the engine's own
         time around it (scheduling and finishing the step; `engine_host` in the fit)."""
-        seconds = self.forward_seconds(plan)
+        return self.forward_seconds(plan) + self.around_seconds(plan)
+
+    def around_seconds(self, plan) -> float:
+        """Seconds of a step outside its forward pass: the engine's host time, block copies
+        and swaps."""
+        seconds = 0.0
         if self.engine_host is not None and plan.scheduled:
             seconds += engine_host_seconds(self.engine_host, len(plan.scheduled),
                                            plan.num_prefill_tokens)
@@ -375,5 +393,6 @@ class ProfiledCostModel:
             "formula": fit.get("formula"),
             "coefficients": self.coefs,
             "engine_host": self.engine_host,
+            "shared_reads": self.shared_reads,
             "holdout_error": fit.get("holdout_error", {}),
         }

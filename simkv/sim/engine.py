@@ -53,6 +53,7 @@ class Simulation:
         self.env = simpy.Environment()
         self._wake = None
         self._arrivals_done = False
+        self._served_s = None        # when the last request became final
 
     def _arrivals(self, requests):
         env = self.env
@@ -90,6 +91,7 @@ class Simulation:
             plan = scheduler.schedule(env.now)
             if plan.is_empty:
                 if not scheduler.has_unfinished() and self._arrivals_done:
+                    self._served_s = env.now
                     return
                 if not scheduler.requests or not (scheduler.waiting or scheduler.running
                                                   or scheduler.swapped):
@@ -116,6 +118,8 @@ class Simulation:
 
     def run(self) -> SimResult:
         wall_start = time.perf_counter()
+        if hasattr(self.cost_model, "reset"):        # a model with state (the GPU's clock)
+            self.cost_model.reset()
         requests = requests_from_frame(self.frame)
         horizon = requests[-1].arrival_s if requests else 0.0
         self.env.process(self._arrivals(requests))
@@ -123,7 +127,9 @@ class Simulation:
         with progress_ctx as on_progress:
             self.env.process(self._engine(on_progress))
             self.env.run()
-        sim_duration = self.env.now
+        # The run ends when the last request is final, as the engine's does: a cancellation
+        # timer of a request already finished fires later and changes nothing.
+        sim_duration = self._served_s if self._served_s is not None else self.env.now
         req_df = requests_frame(self.scheduler.done)
         steps_df = self.recorder.steps_frame()
         summary = summarize(self.recorder, self.scheduler, req_df,

@@ -33,6 +33,10 @@ class _PlanReplay:
         self.rows = []
         self.matching = True
 
+    def reset(self) -> None:
+        if hasattr(self.inner, "reset"):
+            self.inner.reset()
+
     def predict(self, plan) -> float:
         predicted = self.inner.predict(plan)
         k = len(self.rows)

@@ -18,6 +18,7 @@ class BlockPool:
         self.cached: dict = {}            # hash -> block id
         self.num_cached_free = 0          # free blocks that still hold a hash
         self.num_evictions = 0            # cached blocks reallocated (their hash dropped)
+        self.num_shared_refs = 0          # references beyond the first, over all blocks
 
     @property
     def num_free(self) -> int:
@@ -47,6 +48,8 @@ class BlockPool:
             if ref_cnt[block] == 0:
                 del self.free_queue[block]
                 self.num_cached_free -= 1
+            else:
+                self.num_shared_refs += 1
             ref_cnt[block] += 1
 
     def release(self, blocks_in_eviction_order) -> None:
@@ -55,7 +58,9 @@ class BlockPool:
         free_queue = self.free_queue
         for block in blocks_in_eviction_order:
             ref_cnt[block] -= 1
-            if ref_cnt[block] == 0:
+            if ref_cnt[block] > 0:
+                self.num_shared_refs -= 1
+            elif ref_cnt[block] == 0:
                 free_queue[block] = None
                 if self.block_hash[block] is not None:
                     self.num_cached_free += 1
@@ -87,6 +92,8 @@ class BlockPool:
         assert all(self.ref_cnt[b] == 0 for b in self.free_queue), "a free block has references"
         assert sum(1 for r in self.ref_cnt if r == 0) == len(self.free_queue), "free queue count"
         assert all(r >= 0 for r in self.ref_cnt), "negative refcount"
+        assert self.num_shared_refs == sum(r - 1 for r in self.ref_cnt if r > 1), \
+            "shared-reference count"
         assert len(self.free_queue) + sum(1 for r in self.ref_cnt if r > 0) == n
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"

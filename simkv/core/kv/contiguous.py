@@ -42,6 +42,7 @@ class ContiguousKVCacheManager:
         return self._reserved
 
     num_cached_free_blocks = 0
+    num_shared_block_refs = 0        # every sequence has its own range
 
     def seq_slots(self, seq: Sequence) -> int:
         res = self.reservations.get(seq.seq_id)

@@ -63,6 +63,12 @@ class PagedKVCacheManager:
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
 
+    @property
+    def num_shared_block_refs(self) -> int:
+        """Device-block references beyond the first (forks, prefix-cache hits): how many
+        blocks the running sequences' tables repeat."""
+        return self.pool.num_shared_refs
+
     def seq_slots(self, seq: Sequence) -> int:
         """Token slots held for a sequence (its table's blocks times the block size)."""
         return len(seq.block_table) * self.block_size
@@ -258,6 +264,7 @@ class PagedKVCacheManager:
                 counts[block] = counts.get(block, 0) + 1
         for block, count in counts.items():
             self.pool.ref_cnt[block] = count
+            self.pool.num_shared_refs += count - 1
         for seq in seqs:
             for block in seq.host_table:
                 self.host.release(block)

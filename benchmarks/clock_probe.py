@@ -1,0 +1,156 @@
+"""How the GPU's clock follows the work it runs: step-time traces for a clock-state model.
+
+    python benchmarks/clock_probe.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~3 min
+
+`benchmarks/serving_state.py` (H200, 2026-11-29) found that a decode step right after a heavy
+prefill runs 7-9% slower than the same step back to back after idle, and that the block-table
+layout (random or contiguous) changes it by at most 3%: the SM clock, held down by the 700 W
+power cap after heavy work, is what separates the profile (which interleaves every composition
+with all the others) from lighter serving. This records, step by step, what a model of that
+state needs (each step: its composition, CUDA-event time and the host clock at its end):
+
+- `self`: every composition back to back for 0.8 s after 0.4 s idle: its time at full clock
+  (the first steps), the state it settles in by itself, and how fast it gets there;
+- `recover`: a heavy composition back to back for 0.5 s, then a light one back to back for
+  0.3 s (how fast the clock comes back under light work), and the heavy one followed by idle
+  gaps of 0-100 ms before a single light step (how fast it comes back when idle);
+- `duty`: a heavy step then k light ones, repeated for 1.2 s (k = 1..16): a mix to check a model
+  fitted on the other two phases against.
+
+nvidia-smi logs the SM clock, power and throttle reasons every 100 ms (smi.csv; host unix time
+`t0_unix` in meta.json aligns the two). Writes steps.csv after every phase.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BLOCK_SIZE = 16
+
+
+def mixed(new: int, decodes: int, ctx: int = 1024) -> list:
+    return [(0, new, False)] + [(ctx - 1, 1, True)] * decodes
+
+
+def compositions(rng) -> dict:
+    """name -> items (start, num_tokens, is_decode)."""
+    out = {f"decode/b{b}/c{c}": [(c - 1, 1, True)] * b
+           for b, c in ((16, 1024), (64, 1024), (256, 1024), (128, 4096))}
+    ctx = np.clip(rng.lognormal(np.log(1000), 0.8, 128), 64, 6300).astype(int)
+    out["decode/lognormal/b128"] = [(int(c) - 1, 1, True) for c in ctx]
+    for new, dec in ((192, 64), (448, 64), (960, 64), (1984, 64), (4032, 64), (8064, 128)):
+        out[f"mixed/{new}+{dec}"] = mixed(new, dec)
+    out["prefill/1024"] = [(0, 1024, False)]
+    out["prefill/8192"] = [(0, 8192, False)]
+    out["prefill/2048@6144"] = [(6144, 2048, False)]
+    return out
+
+
+HEAVY = ("prefill/8192", "mixed/1984+64", "mixed/8064+128")
+LIGHT = ("decode/b64/c1024", "decode/b256/c1024", "decode/lognormal/b128")
+
+
+def main() -> None:
+    import pandas as pd
+    from simkv.core.specs import load_model
+    from simkv.gpu.profiler import _plan, _tokens, profiling_executor
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-blocks", type=int, default=40_000)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,"
+             "clocks_throttle_reasons.active", "--format=csv,nounits", "-lms", "100"],
+            stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
+    except OSError:
+        smi = None
+    rows = []
+    try:
+        rng = np.random.default_rng(0)
+        ex = profiling_executor(load_model(args.model), args.num_blocks, BLOCK_SIZE, args.device)
+        tokens = _tokens(ex, rng)
+        comps = compositions(rng)
+        perm = rng.permutation(ex.num_blocks)
+        plans = {name: _plan(items, BLOCK_SIZE, perm, tokens) for name, items in comps.items()}
+        for plan in plans.values():                      # warm-up, graph checks
+            ex.execute(plan)
+        t0 = time.perf_counter()
+        (out / "meta.json").write_text(json.dumps({
+            "t0_unix": time.time(), "model": args.model, "block_size": BLOCK_SIZE,
+            "compositions": {k: [list(map(int, it)) for it in v] for k, v in comps.items()}}))
+        state = {"phase": "", "case": "", "seq": 0}
+
+        def step(name):
+            ex.execute(plans[name])
+            rows.append({"phase": state["phase"], "case": state["case"], "seq": state["seq"],
+                         "composition": name, "end_s": round(time.perf_counter() - t0, 6),
+                         "time_s": round(ex.last_gpu_s, 7)})
+            state["seq"] += 1
+
+        def run_for(name, seconds):
+            stop = time.perf_counter() + seconds
+            while time.perf_counter() < stop:
+                step(name)
+
+        def case(phase, name):
+            state.update(phase=phase, case=name, seq=0)
+
+        for name in list(comps) + list(reversed(list(comps))):      # self, twice
+            case("self", name)
+            time.sleep(0.4)
+            run_for(name, 0.8)
+        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+        for _ in range(2):
+            for heavy in HEAVY:
+                for light in LIGHT:
+                    case("recover", f"{heavy}>{light}")
+                    time.sleep(0.3)
+                    run_for(heavy, 0.5)
+                    run_for(light, 0.3)
+                for gap_ms in (0, 1, 3, 10, 30, 100):
+                    case("recover_idle", f"{heavy}>{gap_ms}ms>{LIGHT[0]}")
+                    time.sleep(0.3)
+                    run_for(heavy, 0.5)
+                    time.sleep(gap_ms / 1e3)
+                    step(LIGHT[0])
+        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+        for heavy in ("mixed/1984+64", "mixed/448+64", "mixed/8064+128"):
+            for k in (1, 2, 4, 8, 16):
+                case("duty", f"{heavy}x1+{LIGHT[2]}x{k}")
+                time.sleep(0.3)
+                stop = time.perf_counter() + 1.2
+                while time.perf_counter() < stop:
+                    step(heavy)
+                    for _ in range(k):
+                        step(LIGHT[2])
+        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+    finally:
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+    df = pd.DataFrame(rows)
+    s = df[df["phase"] == "self"]
+    summary = s.groupby("composition")["time_s"].agg(
+        first_ms=lambda x: 1e3 * x.iloc[:2].median(), last_ms=lambda x: 1e3 * x.iloc[-5:].median(),
+        n="size")
+    summary["drift_%"] = 100 * (summary["last_ms"] / summary["first_ms"] - 1)
+    print(summary.round(2).to_string())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Decode reads of KV blocks that several sequences of a batch share.
+
+    python -m simkv.costmodel.shared_reads PROBE_DIR --profile profiles/h200/llama-3.1-8b
+
+A profile's block tables never share a block, so its decode-attention term charges every
+context token as a read from HBM. In serving, n > 1 samples share their prompt's blocks and
+prefix caching shares common prefixes; the decode kernel's programs for those sequences read the
+same blocks at about the same time, and the repeats come from L2. `benchmarks/shared_blocks.py`
+times decode batches with and without such sharing (H200, 2026-11-29: 7-25% faster steps); this
+fits the share of a read from HBM that each repeated read saves:
+
+    saving(b, ctx, g) = t(unshared) - t(shared) = s * a_dec(b) * repeated_tokens
+
+with a_dec(b) the profile's per-token decode cost at batch b and repeated_tokens the context
+tokens in blocks that another sequence of the batch also holds (forks: the members of a group
+sit next to each other in the batch, as the scheduler places a request's samples). Only the
+adjacent groups are fitted; groups spread over the batch are reported apart (pairs half a
+batch apart lose most of the saving: the model does not see placement).
+
+The result goes to `shared_reads.json` beside the profile's fit.json; the profiled model then
+charges decode reads as `decode_context_tokens - s * decode_shared_context_tokens` (the
+scheduler counts the latter from the KV manager's shared references).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from simkv.errors import InputError
+
+SHARED_READS_FILE = "shared_reads.json"
+SHARED_READS_FORMAT = "simkv-shared-reads-1"
+OWN_TOKENS = 64           # the probe's unshared tail per sequence (benchmarks/shared_blocks.py)
+
+
+def load_shared_reads(profile_dir: Path) -> dict | None:
+    """{'saving': s, ...} from the profile's shared_reads.json, or None when it has none."""
+    path = Path(profile_dir) / SHARED_READS_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
+    saving = data.get("saving") if isinstance(data, dict) else None
+    if data.get("format") != SHARED_READS_FORMAT or isinstance(saving, bool) \
+            or not isinstance(saving, (int, float)) or not math.isfinite(saving) \
+            or not 0 <= saving <= 1:
+        raise InputError(f"{path}: needs format {SHARED_READS_FORMAT} and a saving in [0, 1] "
+                         "(re-run `python -m simkv.costmodel.shared_reads`)")
+    return {"saving": float(saving), "path": str(path)}
+
+
+def repeated_tokens(batch: int, context: int, group: int, block_size: int) -> int:
+    """Context tokens in blocks another sequence of the probe's batch holds too."""
+    if group <= 1:
+        return 0
+    shared_blocks = (context - OWN_TOKENS) // block_size
+    return (batch - batch // group) * shared_blocks * block_size
+
+
+def fit_shared_reads(probe_dir: Path, profile_dir: Path) -> dict:
+    """The saving per repeated read (least squares through 0 on the adjacent groups)."""
+    from simkv.costmodel.profiled import ProfiledCostModel
+    probe_dir = Path(probe_dir)
+    try:
+        steps = pd.read_csv(probe_dir / "steps.csv")
+    except (OSError, ValueError) as e:
+        raise InputError(f"{probe_dir}: not a shared-blocks probe ({' '.join(str(e).split())})") \
+            from None
+    need = {"batch", "context", "group", "spread", "time_s"}
+    if not need <= set(steps.columns):
+        raise InputError(f"{probe_dir}/steps.csv: needs columns {sorted(need)}")
+    block_size = int(steps["block_size"].iloc[0]) if "block_size" in steps else 16
+    cm = ProfiledCostModel.load(profile_dir, block_size=block_size)
+    med = steps.groupby(["batch", "context", "group", "spread"])["time_s"].median().reset_index()
+    base = med[med["group"] == 1].set_index(["batch", "context"])["time_s"]
+    med = med[med["group"] > 1].copy()
+    med["saving_s"] = [base[(b, c)] for b, c in zip(med["batch"], med["context"])] \
+        - med["time_s"]
+    med["full_read_s"] = [cm.decode_token_seconds(int(b)) * repeated_tokens(
+        int(b), int(c), int(g), block_size) for b, c, g in
+        zip(med["batch"], med["context"], med["group"])]
+    adjacent = ~med["spread"].astype(bool)
+    x, y = med.loc[adjacent, "full_read_s"], med.loc[adjacent, "saving_s"]
+    saving = float(np.clip(np.dot(x, y) / np.dot(x, x), 0.0, 1.0))
+    med["predicted_saving_s"] = saving * med["full_read_s"]
+    med["step_error"] = (med["time_s"] + med["saving_s"] - med["predicted_saving_s"]) \
+        / med["time_s"] - 1
+    cases = [{"batch": int(r.batch), "context": int(r.context), "group": int(r.group),
+              "spread": bool(r.spread), "time_ms": round(1e3 * r.time_s, 3),
+              "saving_ms": round(1e3 * r.saving_s, 3),
+              "predicted_saving_ms": round(1e3 * r.predicted_saving_s, 3),
+              "step_error": round(float(r.step_error), 4)} for r in med.itertuples()]
+    err = med["step_error"].abs()
+    return {
+        "format": SHARED_READS_FORMAT,
+        "saving": round(saving, 4),
+        "fit": {"probe": str(probe_dir), "profile": str(profile_dir),
+                "adjacent_cases": int(adjacent.sum()),
+                "adjacent_max_abs_step_error": round(float(err[adjacent].max()), 4),
+                "spread_max_abs_step_error": round(float(err[~adjacent].max()), 4)
+                if (~adjacent).any() else None},
+        "cases": cases,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("probe_dir", type=Path)
+    ap.add_argument("--profile", type=Path, required=True, help="profile directory (fit.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"default: PROFILE/{SHARED_READS_FILE}")
+    args = ap.parse_args(argv)
+    try:
+        result = fit_shared_reads(args.probe_dir, args.profile)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or args.profile / SHARED_READS_FILE
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"saving": result["saving"], **result["fit"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The GPU's clock state: a step's time follows the clock the work before it left."""
+import json
+import math
+import pickle
+from pathlib import Path
+
+import pytest
+
+from simkv.core.config import load_scenario
+from simkv.core.specs import load_model
+from simkv.costmodel import load_cost_model
+from simkv.costmodel.clock import (CLOCK_FILE, ClockedCostModel, ClockModel, ClockState,
+                                   flop_counts, step_flops)
+from simkv.costmodel.profiled import ProfiledCostModel
+from simkv.errors import InputError
+from tests.test_profiled_costmodel import plan_of, write_fit
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "profiles" / "h200" / "llama-3.1-8b"
+
+# 2,000 MHz light, 1,500 MHz at the cap; half of a step scales with the clock
+CLOCK = ClockModel(max_mhz=2000.0, min_mhz=1500.0, knee_tflops=100.0, mhz_per_tflops=1.0,
+                   sensitivity=0.5, tau_down_s=0.05, tau_up_s=0.02, profile_mhz=1600.0)
+
+
+def test_the_settling_clock_falls_with_the_flop_rate_above_the_knee_down_to_the_floor():
+    assert CLOCK.settling_mhz(50.0) == 2000.0
+    assert CLOCK.settling_mhz(300.0) == 1800.0
+    assert CLOCK.settling_mhz(900.0) == 1500.0
+
+
+def test_a_step_at_the_profiles_clock_takes_the_profiles_time():
+    # slowdown(1600) = 1 + 0.5 * (2000 / 1600 - 1) = 1.125
+    assert CLOCK.slowdown(1600.0) == pytest.approx(1.125)
+    assert CLOCK.slowdown(2000.0) == 1.0
+
+
+def test_light_work_after_idle_runs_at_full_clock():
+    state = ClockState(CLOCK)
+    assert state.run_step(0.0, 0.010, 2000.0) == pytest.approx(0.010)
+    assert state.mhz == 2000.0
+
+
+def test_heavy_work_back_to_back_slows_toward_its_settling_clock():
+    state = ClockState(CLOCK)
+    times, now = [], 0.0
+    for _ in range(20):
+        t = state.run_step(now, 0.020, 1500.0)
+        times.append(t)
+        now += t
+    assert times[0] < times[1] < times[5]
+    assert times[-1] == pytest.approx(0.020 * CLOCK.slowdown(1500.0), rel=1e-3)
+
+
+def test_the_clock_comes_back_over_an_idle_gap():
+    state = ClockState(CLOCK)
+    now = 0.0
+    for _ in range(20):
+        now += state.run_step(now, 0.020, 1500.0)
+    after_heavy = state.run_step(now, 0.005, 2000.0)
+    state_2 = ClockState(CLOCK)
+    state_2.mhz, state_2.free_at_s = 1500.0, now
+    after_rest = state_2.run_step(now + 0.2, 0.005, 2000.0)       # 10 time constants idle
+    assert after_heavy > 0.005 * 1.05
+    assert after_rest == pytest.approx(0.005, rel=1e-3)
+
+
+def test_reset_puts_the_gpu_back_at_full_clock():
+    state = ClockState(CLOCK)
+    state.run_step(0.0, 0.5, 1500.0)
+    state.reset()
+    assert state.mhz == 2000.0 and state.free_at_s is None
+
+
+def test_step_flops_count_dense_layers_lm_head_and_attention_pairs():
+    model = load_model("llama-3.1-8b")
+    per_token, per_sample, per_pair = flop_counts(model)
+    plan = plan_of([(0, 4, False), (9, 1, True)])    # 4 prefill tokens; a decode of context 10
+    expected = per_token * 5 + per_sample * 2 + per_pair * (10 + 10)
+    assert step_flops(plan, (per_token, per_sample, per_pair)) == pytest.approx(expected)
+
+
+def clocked(tmp_path, clock=CLOCK):
+    inner = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    return ClockedCostModel(inner, clock, load_model("llama-3.1-8b"))
+
+
+def test_the_clocked_model_times_a_light_step_after_idle_at_the_full_clock(tmp_path):
+    model = clocked(tmp_path)
+    plan = plan_of([(99, 1, True)])
+    profiled = model.inner.forward_seconds(plan)
+    expected = profiled / CLOCK.slowdown(CLOCK.profile_mhz) + model.inner.around_seconds(plan)
+    assert model.predict(plan) == pytest.approx(expected)
+
+
+def test_the_clocked_model_keeps_the_profiles_other_terms_and_names_itself(tmp_path):
+    model = clocked(tmp_path)
+    assert model.name.endswith("+clock")
+    assert model.block_size == 16                     # the profile's attributes show through
+    assert model.describe()["clock"]["sensitivity"] == 0.5
+    assert pickle.loads(pickle.dumps(model)).name == model.name
+
+
+def write_clock(directory: Path, **params) -> Path:
+    values = dict(CLOCK.to_dict(), **params)
+    path = directory / CLOCK_FILE
+    path.write_text(json.dumps({"format": "simkv-clock-1", "params": values}))
+    return path
+
+
+def test_a_clock_file_with_a_bad_value_names_the_file_and_key(tmp_path):
+    path = write_clock(tmp_path, tau_up_s="fast")
+    with pytest.raises(InputError, match=r"clock.json: params.tau_up_s"):
+        ClockModel.load(path)
+
+
+def test_a_clock_file_with_a_floor_above_the_top_is_refused(tmp_path):
+    with pytest.raises(InputError, match="min_mhz <= max_mhz"):
+        ClockModel.load(write_clock(tmp_path, min_mhz=2100.0))
+
+
+def scenario(**top):
+    return load_scenario(ROOT / "scenarios" / "quickstart.yaml", top)
+
+
+def test_the_bundled_h200_profile_runs_under_its_clock_model_unless_the_clock_is_fixed():
+    assert (PROFILE / CLOCK_FILE).is_file()
+    assert isinstance(load_cost_model(scenario()), ClockedCostModel)
+    assert isinstance(load_cost_model(scenario(gpu_clock="fixed")), ProfiledCostModel)
+
+
+def test_an_unknown_gpu_clock_setting_is_refused():
+    with pytest.raises(InputError, match="gpu_clock: 'slow' is not one of auto, fixed"):
+        scenario(gpu_clock="slow")
+
+
+def test_two_simulations_with_one_clocked_model_give_the_same_result():
+    from simkv.sim.engine import simulate
+    scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
+                        {"workload.synthetic.num_requests": 40})
+    model = load_cost_model(scn)
+    first = simulate(scn, cost_model=model).summary
+    second = simulate(scn, cost_model=model).summary
+    assert first["ttft_s"] == second["ttft_s"] and first["tpot_s"] == second["tpot_s"]
+
+
+def test_light_traffic_runs_faster_under_the_clock_model_than_at_the_profiles_clock():
+    from simkv.sim.engine import simulate
+    scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
+                        {"workload.synthetic.num_requests": 40,
+                         "workload.synthetic.arrival.rate": 1.0})
+    clocked_tpot = simulate(scn).summary["tpot_s"]["mean"]
+    fixed = load_scenario(scn.raw, {"gpu_clock": "fixed"})
+    fixed_tpot = simulate(fixed).summary["tpot_s"]["mean"]
+    assert clocked_tpot < fixed_tpot * 0.97
+
+
+def test_the_committed_clock_model_refits_from_its_committed_probe():
+    from simkv.costmodel.clock_fit import fit_clock
+    committed = json.loads((PROFILE / CLOCK_FILE).read_text())
+    refit = fit_clock(PROFILE / "probes" / "clock", load_model("llama-3.1-8b"),
+                      committed["params"]["profile_mhz"])
+    for key, value in committed["params"].items():
+        assert math.isclose(refit["params"][key], value, rel_tol=1e-9), key
+    assert refit["fit"]["held_out_rms_log_error"] < refit["fit"][
+        "held_out_rms_log_error_clock_blind"]

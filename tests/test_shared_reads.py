@@ -1,0 +1,90 @@
+"""Blocks that several running sequences hold: counted by the KV manager, carried by the plan,
+and read again from L2 in the profiled model."""
+import json
+from pathlib import Path
+
+import pytest
+
+from simkv.costmodel.profiled import ProfiledCostModel
+from simkv.costmodel.shared_reads import SHARED_READS_FILE, load_shared_reads, repeated_tokens
+from simkv.core.kv.manager import PagedKVCacheManager
+from simkv.errors import InputError
+from tests.test_kv_manager import BS, admit, finish_prompt, fork, make_request, make_seq
+from tests.test_profiled_costmodel import plan_of, write_fit
+from tests.test_scheduler import make_scheduler, step
+from tests.test_scheduler import make_request as scheduler_request
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "profiles" / "h200" / "llama-3.1-8b"
+
+
+def test_a_fork_repeats_every_block_of_the_parent_and_freeing_it_repeats_none():
+    kv = PagedKVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_seq(make_request(1, 40, n=3))
+    admit(kv, parent)
+    finish_prompt(parent)
+    children = [fork(kv, parent, 10), fork(kv, parent, 11)]
+    assert kv.num_shared_block_refs == 2 * 3            # 3 blocks, two more tables each
+    kv.free(children[0])
+    assert kv.num_shared_block_refs == 3
+    kv.free(children[1])
+    assert kv.num_shared_block_refs == 0
+    kv.check_integrity()
+
+
+def test_a_prefix_hit_repeats_the_blocks_it_found():
+    kv = PagedKVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    a = make_seq(make_request(1, 48, ids=(0, 1, 2)))
+    b = make_seq(make_request(2, 48, ids=(0, 1, 5)))
+    admit(kv, a)
+    assert admit(kv, b) == 32                          # two blocks found
+    assert kv.num_shared_block_refs == 2
+    kv.check_integrity()
+
+
+def test_a_decode_step_of_n_3_samples_carries_their_shared_prompt_blocks():
+    sched = make_scheduler()
+    sched.add_request(scheduler_request(0, 40, 5, n=3))
+    step(sched)                                        # prefill 40 tokens, then the fork
+    plan = step(sched)                                 # 3 decodes of context 41
+    # the partial third block was copied for two samples; the two full ones are held 3 times
+    assert plan.decode_context_tokens == 3 * 41
+    assert plan.decode_shared_context_tokens == 2 * 2 * BS
+
+
+def test_the_profiled_model_reads_shared_context_at_the_measured_saving(tmp_path):
+    write_fit(tmp_path)
+    items = [(1023, 1, True)] * 4
+    plain = ProfiledCostModel.load(tmp_path / "fit.json", block_size=16)
+    (tmp_path / SHARED_READS_FILE).write_text(json.dumps(
+        {"format": "simkv-shared-reads-1", "saving": 0.5}))
+    shared = ProfiledCostModel.load(tmp_path / "fit.json", block_size=16)
+    plan = plan_of(items, decode_shared_context_tokens=2048)
+    # a_dec is 1e-8 s per token at block size 16 (test_profiled_costmodel.coefs)
+    assert plain.predict(plan) - shared.predict(plan) == pytest.approx(0.5 * 1e-8 * 2048)
+    assert shared.predict(plan_of(items)) == plain.predict(plan_of(items))
+    assert shared.describe()["shared_reads"]["saving"] == 0.5
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{", "unreadable"),
+    (json.dumps({"format": "simkv-shared-reads-1", "saving": 1.5}), "saving in \\[0, 1\\]"),
+    (json.dumps({"format": "other", "saving": 0.5}), "needs format")])
+def test_a_bad_shared_reads_file_names_itself(tmp_path, content, match):
+    (tmp_path / SHARED_READS_FILE).write_text(content)
+    with pytest.raises(InputError, match=f"{SHARED_READS_FILE}.*{match}"):
+        load_shared_reads(tmp_path)
+
+
+def test_the_probes_repeated_tokens_are_the_groups_shared_prefixes():
+    # 8 sequences of 1,024 tokens in pairs: 4 repeats of (1024 - 64) / 16 = 60 blocks
+    assert repeated_tokens(8, 1024, 2, 16) == 4 * 60 * 16
+    assert repeated_tokens(8, 1024, 1, 16) == 0
+
+
+def test_the_committed_saving_refits_from_its_committed_probe():
+    from simkv.costmodel.shared_reads import fit_shared_reads
+    committed = json.loads((PROFILE / SHARED_READS_FILE).read_text())
+    refit = fit_shared_reads(PROFILE / "probes" / "shared_blocks", PROFILE)
+    assert refit["saving"] == committed["saving"]
+    assert 0.3 < refit["saving"] < 0.7
