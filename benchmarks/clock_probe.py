@@ -15,7 +15,9 @@ state needs (each step: its composition, CUDA-event time and the host clock at i
   0.3 s (how fast the clock comes back under light work), and the heavy one followed by idle
   gaps of 0-100 ms before a single light step (how fast it comes back when idle);
 - `duty`: a heavy step then k light ones, repeated for 1.2 s (k = 1..16): a mix to check a model
-  fitted on the other two phases against.
+  fitted on the other two phases against;
+- `sustain`: a heavy composition back to back for 3 s, then a light one for 0.6 s (twice): the
+  slower, deeper fall of the clock under long heavy work, beyond what the other phases last.
 
 nvidia-smi logs the SM clock, power and throttle reasons every 100 ms (smi.csv; host unix time
 `t0_unix` in meta.json aligns the two). Writes steps.csv after every phase.
@@ -138,6 +140,12 @@ def main() -> None:
                     step(heavy)
                     for _ in range(k):
                         step(LIGHT[2])
+        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+        for _ in range(2):
+            case("sustain", f"{HEAVY[2]}>{LIGHT[2]}")
+            time.sleep(0.5)
+            run_for(HEAVY[2], 3.0)
+            run_for(LIGHT[2], 0.6)
         pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
     finally:
         if smi is not None:

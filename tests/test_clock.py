@@ -158,8 +158,9 @@ def test_light_traffic_runs_faster_under_the_clock_model_than_at_the_profiles_cl
 def test_the_committed_clock_model_refits_from_its_committed_probe():
     from simkv.costmodel.clock_fit import fit_clock
     committed = json.loads((PROFILE / CLOCK_FILE).read_text())
-    refit = fit_clock(PROFILE / "probes" / "clock", load_model("llama-3.1-8b"),
-                      committed["params"]["profile_mhz"])
+    probes = [ROOT / p for p in committed["fit"]["probes"]]
+    assert len(probes) == 2                            # two leases of the GPU
+    refit = fit_clock(probes, load_model("llama-3.1-8b"), committed["params"]["profile_mhz"])
     for key, value in committed["params"].items():
         assert math.isclose(refit["params"][key], value, rel_tol=1e-9), key
     assert refit["fit"]["held_out_rms_log_error"] < refit["fit"][

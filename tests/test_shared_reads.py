@@ -85,6 +85,6 @@ def test_the_probes_repeated_tokens_are_the_groups_shared_prefixes():
 def test_the_committed_saving_refits_from_its_committed_probe():
     from simkv.costmodel.shared_reads import fit_shared_reads
     committed = json.loads((PROFILE / SHARED_READS_FILE).read_text())
-    refit = fit_shared_reads(PROFILE / "probes" / "shared_blocks", PROFILE)
+    refit = fit_shared_reads([ROOT / p for p in committed["fit"]["probes"]], PROFILE)
     assert refit["saving"] == committed["saving"]
     assert 0.3 < refit["saving"] < 0.7

@@ -1,9 +1,10 @@
 """Fit the clock model (`simkv.costmodel.clock`) to a clock probe's step traces.
 
-    python -m simkv.costmodel.clock_fit PROBE_DIR --model llama-3.1-8b --profile-mhz 1635 \
-        --profile-mhz-source "..." --out profiles/h200/llama-3.1-8b/clock.json
+    python -m simkv.costmodel.clock_fit PROBE_DIR [PROBE_DIR...] --model llama-3.1-8b \
+        --profile-mhz 1635 --profile-mhz-source "..." --out profiles/h200/llama-3.1-8b/clock.json
 
-PROBE_DIR is what `benchmarks/clock_probe.py` wrote (steps.csv, smi.csv, meta.json). In order:
+PROBE_DIR is what `benchmarks/clock_probe.py` wrote (steps.csv, smi.csv, meta.json); probes from
+different leases of the GPU are pooled, each with its own full-clock times. In order:
 
 1. each composition's full-clock time: the faster of the first two steps of each `self` case
    (after 0.4 s idle), median over the cases;
@@ -13,7 +14,8 @@ PROBE_DIR is what `benchmarks/clock_probe.py` wrote (steps.csv, smi.csv, meta.js
 3. the share of time that scales with the clock and the two time constants, by a grid search
    minimizing the RMS log error of every step of the `self`, `recover` and `recover_idle`
    phases replayed through `ClockState` (the simulator's own code); the `duty` phase is held
-   out and reported, against a clock-blind baseline (every step at its full-clock time).
+   out and reported, against a clock-blind baseline (every step at its full-clock time), as
+   is every phase on its own (`by_phase`; `sustain`: 3 s of heavy work, longer than the rest).
 
 The profile's clock (`--profile-mhz`) is what makes the fit usable with a profile: the median
 SM clock over the profile's step grid, read with nvidia-smi beside it.
@@ -36,6 +38,7 @@ from simkv.errors import InputError
 SENSITIVITIES = tuple(np.round(np.arange(0.10, 0.71, 0.05), 2))
 TAUS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 HELD_OUT_PHASE = "duty"
+FITTED_PHASES = ("self", "recover", "recover_idle")
 
 
 def read_probe(probe_dir: Path) -> tuple:
@@ -121,56 +124,72 @@ def _rms_log(measured, predicted) -> float:
     return float(np.sqrt(np.mean(e ** 2)))
 
 
-def fit_clock(probe_dir: Path, model, profile_mhz: float, progress=None) -> dict:
-    """The clock model fitted to a probe, with its errors (see the module doc)."""
-    steps, smi, meta = read_probe(probe_dir)
-    steps = steps[steps["composition"].isin(meta["compositions"])].reset_index(drop=True)
-    table = composition_table(steps, smi, meta, model)
-    max_mhz = float(smi["sm_mhz"].max())
-    knee, slope, floor, settle_rms = fit_settling(table, max_mhz)
+def fit_clock(probe_dirs, model, profile_mhz: float) -> dict:
+    """The clock model fitted to one or more probes (each its own lease of the GPU: its own
+    full-clock times), with its errors (see the module doc)."""
+    if isinstance(probe_dirs, (str, Path)):
+        probe_dirs = [probe_dirs]
+    probes = []
+    for probe_dir in probe_dirs:
+        steps, smi, meta = read_probe(probe_dir)
+        steps = steps[steps["composition"].isin(meta["compositions"])].reset_index(drop=True)
+        table = composition_table(steps, smi, meta, model)
+        table["probe"] = str(probe_dir)
+        probes.append((steps, table, float(smi["sm_mhz"].max())))
+    tables = pd.concat([t for _, t, _ in probes])
+    max_mhz = max(m for _, _, m in probes)
+    knee, slope, floor, settle_rms = fit_settling(tables, max_mhz)
+    steps = pd.concat([s for s, _, _ in probes], ignore_index=True)
     measured = steps["time_s"].to_numpy()
-    train = (steps["phase"] != HELD_OUT_PHASE).to_numpy()
-    base = steps["composition"].map(table["full_s"]).to_numpy()
+    train = steps["phase"].isin(FITTED_PHASES).to_numpy()
+    held = (steps["phase"] == HELD_OUT_PHASE).to_numpy()
+    base = np.concatenate([s["composition"].map(t["full_s"]).to_numpy() for s, t, _ in probes])
+
+    def predict(clock):
+        return np.concatenate([replay(s, t, clock) for s, t, _ in probes])
+
     best = None
-    grid = list(itertools.product(SENSITIVITIES, TAUS_S, TAUS_S))
-    for k, (s, down, up) in enumerate(grid):
+    for s, down, up in itertools.product(SENSITIVITIES, TAUS_S, TAUS_S):
         clock = ClockModel(max_mhz, floor, knee, slope, float(s), down, up, profile_mhz)
-        pred = replay(steps, table, clock)
+        pred = predict(clock)
         rms = _rms_log(measured[train], pred[train])
         if best is None or rms < best[0]:
             best = (rms, clock, pred)
-        if progress is not None:
-            progress(k + 1, len(grid))
     rms, clock, pred = best
-    held = ~train
+    by_phase = {}
+    for phase in sorted(set(steps["phase"])):
+        k = (steps["phase"] == phase).to_numpy()
+        by_phase[phase] = {"steps": int(k.sum()),
+                           "rms_log_error": round(_rms_log(measured[k], pred[k]), 4),
+                           "rms_log_error_clock_blind": round(_rms_log(measured[k], base[k]), 4)}
     return {
         "format": CLOCK_FORMAT,
         "params": clock.to_dict(),
         "fit": {
-            "probe": str(probe_dir),
+            "probes": [str(p) for p in probe_dirs],
             "settling_rms_mhz": round(settle_rms, 1),
-            "train_phases": sorted(set(steps.loc[train, "phase"])),
-            "train_steps": int(train.sum()),
+            "train_phases": list(FITTED_PHASES),
             "train_rms_log_error": round(rms, 4),
             "train_rms_log_error_clock_blind": round(_rms_log(measured[train], base[train]), 4),
             "held_out_phase": HELD_OUT_PHASE,
-            "held_out_steps": int(held.sum()),
             "held_out_rms_log_error": round(_rms_log(measured[held], pred[held]), 4),
             "held_out_rms_log_error_clock_blind": round(_rms_log(measured[held], base[held]), 4),
             "held_out_median_abs_error": round(float(np.median(np.abs(
                 pred[held] / measured[held] - 1))), 4),
             "held_out_median_abs_error_clock_blind": round(float(np.median(np.abs(
                 base[held] / measured[held] - 1))), 4),
+            "by_phase": by_phase,
         },
-        "compositions": {n: {"full_ms": round(1e3 * r.full_s, 3),
-                             "settling_mhz": round(r.settling_mhz, 1),
-                             "tflops": round(r.tflops, 1)} for n, r in table.iterrows()},
+        "compositions": [{"probe": r.probe, "composition": n,
+                          "full_ms": round(1e3 * r.full_s, 3),
+                          "settling_mhz": round(r.settling_mhz, 1),
+                          "tflops": round(r.tflops, 1)} for n, r in tables.iterrows()],
     }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe_dir", type=Path)
+    ap.add_argument("probe_dirs", type=Path, nargs="+", help="clock probe folders")
     ap.add_argument("--model", required=True)
     ap.add_argument("--profile-mhz", type=float, required=True,
                     help="median SM clock over the profile's step grid (nvidia-smi beside it)")
@@ -179,7 +198,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from simkv.core.specs import load_model
     try:
-        result = fit_clock(args.probe_dir, load_model(args.model), args.profile_mhz)
+        result = fit_clock(args.probe_dirs, load_model(args.model), args.profile_mhz)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

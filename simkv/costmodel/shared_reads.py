@@ -1,6 +1,7 @@
 """Decode reads of KV blocks that several sequences of a batch share.
 
-    python -m simkv.costmodel.shared_reads PROBE_DIR --profile profiles/h200/llama-3.1-8b
+    python -m simkv.costmodel.shared_reads PROBE_DIR [PROBE_DIR...] \
+        --profile profiles/h200/llama-3.1-8b
 
 A profile's block tables never share a block, so its decode-attention term charges every
 context token as a read from HBM. In serving, n > 1 samples share their prompt's blocks and
@@ -65,35 +66,44 @@ def repeated_tokens(batch: int, context: int, group: int, block_size: int) -> in
     return (batch - batch // group) * shared_blocks * block_size
 
 
-def fit_shared_reads(probe_dir: Path, profile_dir: Path) -> dict:
-    """The saving per repeated read (least squares through 0 on the adjacent groups)."""
+def fit_shared_reads(probe_dirs, profile_dir: Path) -> dict:
+    """The saving per repeated read (least squares through 0 on the adjacent groups of one or
+    more probes, each against its own unshared batches)."""
     from simkv.costmodel.profiled import ProfiledCostModel
-    probe_dir = Path(probe_dir)
-    try:
-        steps = pd.read_csv(probe_dir / "steps.csv")
-    except (OSError, ValueError) as e:
-        raise InputError(f"{probe_dir}: not a shared-blocks probe ({' '.join(str(e).split())})") \
-            from None
-    need = {"batch", "context", "group", "spread", "time_s"}
-    if not need <= set(steps.columns):
-        raise InputError(f"{probe_dir}/steps.csv: needs columns {sorted(need)}")
-    block_size = int(steps["block_size"].iloc[0]) if "block_size" in steps else 16
-    cm = ProfiledCostModel.load(profile_dir, block_size=block_size)
-    med = steps.groupby(["batch", "context", "group", "spread"])["time_s"].median().reset_index()
-    base = med[med["group"] == 1].set_index(["batch", "context"])["time_s"]
+    if isinstance(probe_dirs, (str, Path)):
+        probe_dirs = [probe_dirs]
+    parts = []
+    for probe_dir in map(Path, probe_dirs):
+        try:
+            steps = pd.read_csv(probe_dir / "steps.csv")
+        except (OSError, ValueError) as e:
+            raise InputError(f"{probe_dir}: not a shared-blocks probe "
+                             f"({' '.join(str(e).split())})") from None
+        need = {"batch", "context", "group", "spread", "time_s"}
+        if not need <= set(steps.columns):
+            raise InputError(f"{probe_dir}/steps.csv: needs columns {sorted(need)}")
+        if "block_size" not in steps:
+            steps["block_size"] = 16
+        steps["probe"] = str(probe_dir)
+        parts.append(steps)
+    keys = ["probe", "block_size", "batch", "context", "group", "spread"]
+    med = pd.concat(parts).groupby(keys)["time_s"].median().reset_index()
+    base = med[med["group"] == 1].set_index(["probe", "block_size", "batch", "context"])["time_s"]
     med = med[med["group"] > 1].copy()
-    med["saving_s"] = [base[(b, c)] for b, c in zip(med["batch"], med["context"])] \
-        - med["time_s"]
-    med["full_read_s"] = [cm.decode_token_seconds(int(b)) * repeated_tokens(
-        int(b), int(c), int(g), block_size) for b, c, g in
-        zip(med["batch"], med["context"], med["group"])]
+    med["saving_s"] = [base[k] for k in zip(med["probe"], med["block_size"], med["batch"],
+                                            med["context"])] - med["time_s"]
+    models = {bs: ProfiledCostModel.load(profile_dir, block_size=int(bs))
+              for bs in set(med["block_size"])}
+    med["full_read_s"] = [models[bs].decode_token_seconds(int(b)) * repeated_tokens(
+        int(b), int(c), int(g), int(bs)) for bs, b, c, g in
+        zip(med["block_size"], med["batch"], med["context"], med["group"])]
     adjacent = ~med["spread"].astype(bool)
     x, y = med.loc[adjacent, "full_read_s"], med.loc[adjacent, "saving_s"]
     saving = float(np.clip(np.dot(x, y) / np.dot(x, x), 0.0, 1.0))
     med["predicted_saving_s"] = saving * med["full_read_s"]
     med["step_error"] = (med["time_s"] + med["saving_s"] - med["predicted_saving_s"]) \
         / med["time_s"] - 1
-    cases = [{"batch": int(r.batch), "context": int(r.context), "group": int(r.group),
+    cases = [{"probe": r.probe, "batch": int(r.batch), "context": int(r.context), "group": int(r.group),
               "spread": bool(r.spread), "time_ms": round(1e3 * r.time_s, 3),
               "saving_ms": round(1e3 * r.saving_s, 3),
               "predicted_saving_ms": round(1e3 * r.predicted_saving_s, 3),
@@ -102,7 +112,7 @@ def fit_shared_reads(probe_dir: Path, profile_dir: Path) -> dict:
     return {
         "format": SHARED_READS_FORMAT,
         "saving": round(saving, 4),
-        "fit": {"probe": str(probe_dir), "profile": str(profile_dir),
+        "fit": {"probes": [str(p) for p in probe_dirs], "profile": str(profile_dir),
                 "adjacent_cases": int(adjacent.sum()),
                 "adjacent_max_abs_step_error": round(float(err[adjacent].max()), 4),
                 "spread_max_abs_step_error": round(float(err[~adjacent].max()), 4)
@@ -113,13 +123,13 @@ def fit_shared_reads(probe_dir: Path, profile_dir: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe_dir", type=Path)
+    ap.add_argument("probe_dirs", type=Path, nargs="+", help="shared-blocks probe folders")
     ap.add_argument("--profile", type=Path, required=True, help="profile directory (fit.json)")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"default: PROFILE/{SHARED_READS_FILE}")
     args = ap.parse_args(argv)
     try:
-        result = fit_shared_reads(args.probe_dir, args.profile)
+        result = fit_shared_reads(args.probe_dirs, args.profile)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
