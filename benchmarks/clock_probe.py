@@ -17,7 +17,14 @@ state needs (each step: its composition, CUDA-event time and the host clock at i
 - `duty`: a heavy step then k light ones, repeated for 1.2 s (k = 1..16): a mix to check a model
   fitted on the other two phases against;
 - `sustain`: a heavy composition back to back for 3 s, then a light one for 0.6 s (twice): the
-  slower, deeper fall of the clock under long heavy work, beyond what the other phases last.
+  slower, deeper fall of the clock under long heavy work, beyond what the other phases last;
+- `profile`: the profiler's own step grid (`profile_block_size` over the design, block size 16,
+  5 timed rounds as a profile takes them), with the compositions above added to it: their times
+  in the state a profile measures them in, against their times after a rest (the `self`
+  phase), in the same lease: the factor that turns a profile's times into full-clock times.
+  Writes profile_state.csv (one row per composition of the grid, the profiler's columns).
+
+`--phases` picks phases (default: all, in the order above).
 
 nvidia-smi logs the SM clock, power and throttle reasons every 100 ms (smi.csv; host unix time
 `t0_unix` in meta.json aligns the two). Writes steps.csv after every phase.
@@ -57,6 +64,7 @@ def compositions(rng) -> dict:
     return out
 
 
+PHASES = ("self", "recover", "duty", "sustain", "profile")
 HEAVY = ("prefill/8192", "mixed/1984+64", "mixed/8064+128")
 LIGHT = ("decode/b64/c1024", "decode/b256/c1024", "decode/lognormal/b128")
 
@@ -71,7 +79,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--num-blocks", type=int, default=40_000)
+    parser.add_argument("--phases", default=",".join(PHASES))
     args = parser.parse_args()
+    phases = args.phases.split(",")
+    if not set(phases) <= set(PHASES):
+        raise SystemExit(f"--phases: {args.phases!r}: choose from {','.join(PHASES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -84,7 +96,11 @@ def main() -> None:
     rows = []
     try:
         rng = np.random.default_rng(0)
-        ex = profiling_executor(load_model(args.model), args.num_blocks, BLOCK_SIZE, args.device)
+        from simkv.gpu.profile_design import MAX_CACHED_TOKENS
+        num_blocks = args.num_blocks
+        if "profile" in phases:          # the design's largest composition, and ours beside it
+            num_blocks = max(num_blocks, MAX_CACHED_TOKENS // BLOCK_SIZE + 2 * 256 + 64)
+        ex = profiling_executor(load_model(args.model), num_blocks, BLOCK_SIZE, args.device)
         tokens = _tokens(ex, rng)
         comps = compositions(rng)
         perm = rng.permutation(ex.num_blocks)
@@ -112,12 +128,12 @@ def main() -> None:
         def case(phase, name):
             state.update(phase=phase, case=name, seq=0)
 
-        for name in list(comps) + list(reversed(list(comps))):      # self, twice
+        for name in (list(comps) + list(reversed(list(comps))) if "self" in phases else []):
             case("self", name)
             time.sleep(0.4)
             run_for(name, 0.8)
         pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-        for _ in range(2):
+        for _ in range(2 if "recover" in phases else 0):
             for heavy in HEAVY:
                 for light in LIGHT:
                     case("recover", f"{heavy}>{light}")
@@ -131,7 +147,8 @@ def main() -> None:
                     time.sleep(gap_ms / 1e3)
                     step(LIGHT[0])
         pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-        for heavy in ("mixed/1984+64", "mixed/448+64", "mixed/8064+128"):
+        for heavy in (("mixed/1984+64", "mixed/448+64", "mixed/8064+128")
+                      if "duty" in phases else ()):
             for k in (1, 2, 4, 8, 16):
                 case("duty", f"{heavy}x1+{LIGHT[2]}x{k}")
                 time.sleep(0.3)
@@ -141,16 +158,28 @@ def main() -> None:
                     for _ in range(k):
                         step(LIGHT[2])
         pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-        for _ in range(2):
+        for _ in range(2 if "sustain" in phases else 0):
             case("sustain", f"{HEAVY[2]}>{LIGHT[2]}")
             time.sleep(0.5)
             run_for(HEAVY[2], 3.0)
             run_for(LIGHT[2], 0.6)
         pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+        if "profile" in phases:
+            from simkv.gpu.profile_design import Point, design
+            from simkv.gpu.profiler import profile_block_size
+            points = design() + [Point(name, "probe", [tuple(it) for it in items])
+                                 for name, items in comps.items()]
+            time.sleep(0.4)
+            start = round(time.perf_counter() - t0, 6)
+            grid = profile_block_size(ex, points, rng, 5, print)
+            pd.DataFrame(grid).assign(start_s=start, end_s=round(time.perf_counter() - t0, 6)) \
+                .to_csv(out / "profile_state.csv", index=False)
     finally:
         if smi is not None:
             smi.terminate()
             smi.wait()
+    if "self" not in phases:
+        return
     df = pd.DataFrame(rows)
     s = df[df["phase"] == "self"]
     summary = s.groupby("composition")["time_s"].agg(

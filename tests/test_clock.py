@@ -20,7 +20,7 @@ PROFILE = ROOT / "profiles" / "h200" / "llama-3.1-8b"
 
 # 2,000 MHz light, 1,500 MHz at the cap; half of a step scales with the clock
 CLOCK = ClockModel(max_mhz=2000.0, min_mhz=1500.0, knee_tflops=100.0, mhz_per_tflops=1.0,
-                   sensitivity=0.5, tau_down_s=0.05, tau_up_s=0.02, profile_mhz=1600.0)
+                   sensitivity=0.5, tau_down_s=0.05, tau_up_s=0.02)
 
 
 def test_the_settling_clock_falls_with_the_flop_rate_above_the_knee_down_to_the_floor():
@@ -29,7 +29,7 @@ def test_the_settling_clock_falls_with_the_flop_rate_above_the_knee_down_to_the_
     assert CLOCK.settling_mhz(900.0) == 1500.0
 
 
-def test_a_step_at_the_profiles_clock_takes_the_profiles_time():
+def test_the_slowdown_scales_the_clock_sensitive_share_of_a_step():
     # slowdown(1600) = 1 + 0.5 * (2000 / 1600 - 1) = 1.125
     assert CLOCK.slowdown(1600.0) == pytest.approx(1.125)
     assert CLOCK.slowdown(2000.0) == 1.0
@@ -85,12 +85,21 @@ def clocked(tmp_path, clock=CLOCK):
     return ClockedCostModel(inner, clock, load_model("llama-3.1-8b"))
 
 
-def test_the_clocked_model_times_a_light_step_after_idle_at_the_full_clock(tmp_path):
+def test_the_clocked_model_times_a_light_step_after_idle_as_profiled(tmp_path):
     model = clocked(tmp_path)
-    plan = plan_of([(99, 1, True)])
+    plan = plan_of([(99, 1, True)])                    # a few GFLOP: far below the knee
+    assert model.predict(plan) == pytest.approx(model.inner.predict(plan))
+
+
+def test_a_heavy_step_after_idle_runs_faster_than_the_profile_timed_it_at_its_settling_clock(
+        tmp_path):
+    model = clocked(tmp_path)
+    plan = plan_of([(0, 512, False)])
     profiled = model.inner.forward_seconds(plan)
-    expected = profiled / CLOCK.slowdown(CLOCK.profile_mhz) + model.inner.around_seconds(plan)
-    assert model.predict(plan) == pytest.approx(expected)
+    full, settling = model.full_clock(profiled, step_flops(plan, model.counts))
+    assert settling < CLOCK.max_mhz
+    assert full == pytest.approx(profiled / CLOCK.slowdown(settling), rel=1e-3)
+    assert full <= model.predict(plan) - model.inner.around_seconds(plan) < profiled
 
 
 def test_the_clocked_model_keeps_the_profiles_other_terms_and_names_itself(tmp_path):
@@ -144,24 +153,31 @@ def test_two_simulations_with_one_clocked_model_give_the_same_result():
     assert first["ttft_s"] == second["ttft_s"] and first["tpot_s"] == second["tpot_s"]
 
 
-def test_light_traffic_runs_faster_under_the_clock_model_than_at_the_profiles_clock():
+def test_long_prompts_arriving_apart_prefill_faster_than_the_profile_timed_them():
+    # each prefill starts on a rested GPU: near full clock, not at its settling clock
     from simkv.sim.engine import simulate
     scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
-                        {"workload.synthetic.num_requests": 40,
-                         "workload.synthetic.arrival.rate": 1.0})
-    clocked_tpot = simulate(scn).summary["tpot_s"]["mean"]
+                        {"workload.synthetic.num_requests": 10,
+                         "workload.synthetic.arrival.rate": 0.5,
+                         "workload.synthetic.prompt_tokens": {"dist": "fixed", "value": 4000},
+                         "workload.synthetic.output_tokens": {"dist": "fixed", "value": 4}})
+    clocked_ttft = simulate(scn).summary["ttft_s"]["mean"]
     fixed = load_scenario(scn.raw, {"gpu_clock": "fixed"})
-    fixed_tpot = simulate(fixed).summary["tpot_s"]["mean"]
-    assert clocked_tpot < fixed_tpot * 0.97
+    fixed_ttft = simulate(fixed).summary["ttft_s"]["mean"]
+    assert clocked_ttft < fixed_ttft * 0.97
 
 
 def test_the_committed_clock_model_refits_from_its_committed_probe():
     from simkv.costmodel.clock_fit import fit_clock
     committed = json.loads((PROFILE / CLOCK_FILE).read_text())
     probes = [ROOT / p for p in committed["fit"]["probes"]]
-    assert len(probes) == 2                            # two leases of the GPU
-    refit = fit_clock(probes, load_model("llama-3.1-8b"), committed["params"]["profile_mhz"])
+    assert len(probes) == 3                            # three leases of the GPU
+    refit = fit_clock(probes, load_model("llama-3.1-8b"))
     for key, value in committed["params"].items():
         assert math.isclose(refit["params"][key], value, rel_tol=1e-9), key
-    assert refit["fit"]["held_out_rms_log_error"] < refit["fit"][
-        "held_out_rms_log_error_clock_blind"]
+    fit = refit["fit"]
+    assert fit["held_out_rms_log_error"] < fit["held_out_rms_log_error_clock_blind"]
+    # reading the profile at each composition's settling clock is closer to what the profiler's
+    # grid measured than reading it as full-clock times
+    state = fit["profile_state"]
+    assert state["mean_abs_error"] < state["mean_abs_error_as_measured"]

@@ -9,19 +9,24 @@ of work within tens of milliseconds. A step's time at clock f is
     t(f) = t_full * (1 + s * (f_max / f - 1))
 
 (`s`: the share of the step that scales with the clock), and while a step runs the clock
-relaxes exponentially toward the step's own settling clock (time constant `tau_down_s` when it
-falls, `tau_up_s` when it rises; idle gaps raise it toward f_max).
+follows the settling clock of the recent work: the power controller averages the work's settling
+clocks over a window (`tau_window_s`; idle counts as f_max) and the clock relaxes toward that
+average (time constant `tau_down_s` when it falls, `tau_up_s` when it rises), so that a heavy
+step after light work starts near full clock and the clock falls behind it.
 
-The profile times every composition interleaved with all the others, so its step times belong
-to one clock: the median clock nvidia-smi read beside it (`profile_mhz`). The clocked model turns
-a profiled forward time into its full-clock time with that, and times each simulated step at the
-clock the run so far has left the GPU in.
+A profile times its compositions round after round in the design's order, so similar
+compositions follow each other and each is measured near its own settling clock: the clock
+probe's `profile` phase ran the profiler's grid with the probe's compositions in it (H200,
+2026-11-29): decode batches at 1.00-1.05x their light-work times, prefill chunks of 1-8k tokens
+at 1.06-1.22x. The clocked model therefore takes a profiled forward time as the composition's
+time at its settling clock, turns it into its full-clock time with that, and times each
+simulated step at the clock the run so far has left the GPU in.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 from simkv.errors import InputError
@@ -57,7 +62,7 @@ class ClockModel:
     sensitivity: float          # share of a step's time that scales with 1 / clock
     tau_down_s: float
     tau_up_s: float
-    profile_mhz: float          # the clock the profile's step times were measured at
+    tau_window_s: float = 0.0   # the power controller's averaging window (0: none)
 
     def settling_mhz(self, tflops: float) -> float:
         """The clock a composition running at `tflops` (at full clock) settles at."""
@@ -81,16 +86,16 @@ class ClockModel:
             raise InputError(f"{path}: not a {CLOCK_FORMAT} file (re-run "
                              "`python -m simkv.costmodel.clock_fit`)")
         values = {}
-        for key in cls.__dataclass_fields__:
-            v = params.get(key)
+        for key, field in cls.__dataclass_fields__.items():
+            v = params.get(key, None if field.default is MISSING else field.default)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0:
                 raise InputError(f"{path}: params.{key} must be a number >= 0, got {v!r}")
             values[key] = float(v)
-        if not 0 < values["min_mhz"] <= values["max_mhz"] or values["profile_mhz"] <= 0 \
-                or values["tau_down_s"] <= 0 or values["tau_up_s"] <= 0:
-            raise InputError(f"{path}: params need 0 < min_mhz <= max_mhz, profile_mhz > 0 and "
-                             "time constants > 0")
+        if not 0 < values["min_mhz"] <= values["max_mhz"] or values["tau_down_s"] <= 0 \
+                or values["tau_up_s"] <= 0:
+            raise InputError(f"{path}: params need 0 < min_mhz <= max_mhz and time constants "
+                             "> 0")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -98,31 +103,68 @@ class ClockModel:
 
 
 class ClockState:
-    """The clock a run has left the GPU at; `run_step` advances it over one step."""
+    """The clock a run has left the GPU at; `run_step` advances it over one step.
+
+    Two stages: the power controller's view of the recent work (`level`: the settling clock of
+    the work over the last `tau_window_s`, idle counting as max_mhz) and the clock following it
+    (`mhz`, with `tau_down_s` / `tau_up_s`). A step is integrated in slices of SLICE_S, its work
+    done at the clock of each slice's start."""
+
+    SLICE_S = 0.004
 
     def __init__(self, model: ClockModel):
         self.model = model
+        m = model
+        self._decay_window = math.exp(-self.SLICE_S / m.tau_window_s) if m.tau_window_s else 0.0
+        self._decay_down = math.exp(-self.SLICE_S / m.tau_down_s)
+        self._decay_up = math.exp(-self.SLICE_S / m.tau_up_s)
+        self._settled_after_s = 12 * (m.tau_window_s + max(m.tau_down_s, m.tau_up_s))
         self.reset()
 
     def reset(self) -> None:
-        self.mhz = self.model.max_mhz
+        self.mhz = self.level = self.model.max_mhz
         self.free_at_s = None         # when the last step ended
+
+    def _advance(self, target_mhz: float, dt: float) -> None:
+        m = self.model
+        if dt == self.SLICE_S:
+            window, down, up = self._decay_window, self._decay_down, self._decay_up
+        else:
+            window = math.exp(-dt / m.tau_window_s) if m.tau_window_s else 0.0
+            down, up = math.exp(-dt / m.tau_down_s), math.exp(-dt / m.tau_up_s)
+        self.level = target_mhz + (self.level - target_mhz) * window
+        decay = down if self.level < self.mhz else up
+        self.mhz = self.level + (self.mhz - self.level) * decay
+
+    def idle(self, seconds: float) -> None:
+        """The GPU waits `seconds`: its clock comes back toward max_mhz."""
+        if seconds >= self._settled_after_s:
+            self.mhz = self.level = self.model.max_mhz
+            return
+        top, dt = self.model.max_mhz, self.SLICE_S
+        while seconds > dt:
+            self._advance(top, dt)
+            seconds -= dt
+        if seconds > 0:
+            self._advance(top, seconds)
 
     def run_step(self, start_s: float, full_s: float, target_mhz: float) -> float:
         """Seconds a step of `full_s` (at full clock) takes when it starts at `start_s` and
         pulls the clock toward `target_mhz`; the state moves to the step's end."""
-        m = self.model
-        if self.free_at_s is not None and start_s > self.free_at_s:     # idle: the clock rises
-            self.mhz = m.max_mhz + (self.mhz - m.max_mhz) * math.exp(
-                -(start_s - self.free_at_s) / m.tau_up_s)
-        f0 = self.mhz
-        tau = m.tau_down_s if target_mhz < f0 else m.tau_up_s
-        seconds = full_s * m.slowdown(f0)
-        for _ in range(2):            # the mean clock over the step, at the step's own length
-            x = seconds / tau
-            mean = target_mhz + (f0 - target_mhz) * (-math.expm1(-x) / x if x > 1e-9 else 1.0)
-            seconds = full_s * m.slowdown(mean)
-        self.mhz = target_mhz + (f0 - target_mhz) * math.exp(-seconds / tau)
+        if self.free_at_s is not None and start_s > self.free_at_s:
+            self.idle(start_s - self.free_at_s)
+        slowdown, dt = self.model.slowdown, self.SLICE_S
+        work, seconds = full_s, 0.0
+        while work > 0:
+            rate = 1.0 / slowdown(self.mhz)      # seconds of full-clock work per second
+            if work <= rate * dt:
+                step = work / rate
+                self._advance(target_mhz, step)
+                seconds += step
+                break
+            self._advance(target_mhz, dt)
+            work -= rate * dt
+            seconds += dt
         self.free_at_s = start_s + seconds
         return seconds
 
@@ -137,7 +179,6 @@ class ClockedCostModel:
         self.clock = clock
         self.state = ClockState(clock)
         self.counts = flop_counts(model)
-        self.to_full = 1.0 / clock.slowdown(clock.profile_mhz)
         self.source = source
         self.name = f"{inner.name}+clock"
 
@@ -155,10 +196,19 @@ class ClockedCostModel:
         around = self.inner.around_seconds(plan)
         if forward <= 0:
             return around
-        full = forward * self.to_full
-        tflops = step_flops(plan, self.counts) / full / 1e12
+        full, settling = self.full_clock(forward, step_flops(plan, self.counts))
         # the engine's host time after the forward idles the GPU until the next step starts
-        return self.state.run_step(plan.now_s, full, self.clock.settling_mhz(tflops)) + around
+        return self.state.run_step(plan.now_s, full, settling) + around
+
+    def full_clock(self, profiled_s: float, flops: float) -> tuple:
+        """(full-clock seconds, settling MHz) of a composition the profile timed at its settling
+        clock in `profiled_s` (the settling clock follows the full-clock FLOP rate: twice)."""
+        clock = self.clock
+        full = profiled_s
+        for _ in range(2):
+            settling = clock.settling_mhz(flops / full / 1e12)
+            full = profiled_s / clock.slowdown(settling)
+        return full, settling
 
     def describe(self) -> dict:
         out = self.inner.describe()

@@ -1,29 +1,32 @@
 """Fit the clock model (`simkv.costmodel.clock`) to a clock probe's step traces.
 
     python -m simkv.costmodel.clock_fit PROBE_DIR [PROBE_DIR...] --model llama-3.1-8b \
-        --profile-mhz 1635 --profile-mhz-source "..." --out profiles/h200/llama-3.1-8b/clock.json
+        --out profiles/h200/llama-3.1-8b/clock.json
 
 PROBE_DIR is what `benchmarks/clock_probe.py` wrote (steps.csv, smi.csv, meta.json); probes from
 different leases of the GPU are pooled, each with its own full-clock times. In order:
 
-1. each composition's full-clock time: the faster of the first two steps of each `self` case
-   (after 0.4 s idle), median over the cases;
+1. each composition's time after a rest: the faster of the first two steps of each `self` case
+   (after 0.4 s idle), median over the cases; its full-clock time is what the model needs to
+   take that long from a rested state (a long heavy step pulls the clock down as it runs);
 2. its settling clock: the median nvidia-smi SM clock over a `self` case after its first 0.3 s;
    the line `settling_mhz(TFLOP/s)` (knee and slope, floored at the lowest clock seen) by least
    squares over a grid of knees;
-3. the share of time that scales with the clock and the two time constants, by a grid search
+3. the share of time that scales with the clock, the controller's window and the clock's two
+   time constants: for each window on its grid, coordinate descent over the other grids,
    minimizing the RMS log error of every step of the `self`, `recover` and `recover_idle`
    phases replayed through `ClockState` (the simulator's own code); the `duty` phase is held
    out and reported, against a clock-blind baseline (every step at its full-clock time), as
    is every phase on its own (`by_phase`; `sustain`: 3 s of heavy work, longer than the rest).
 
-The profile's clock (`--profile-mhz`) is what makes the fit usable with a profile: the median
-SM clock over the profile's step grid, read with nvidia-smi beside it.
+A probe with a `profile` phase (the profiler's grid with the probe's compositions in it) checks
+how the clocked model reads a profile: each composition at its own settling clock
+(`fit.profile_state`: the measured ratio of its time in the grid to its light-work time, and
+the model's).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -35,8 +38,10 @@ from simkv.costmodel.clock import (CLOCK_FORMAT, ClockModel, ClockState, flop_co
                                    step_flops)
 from simkv.errors import InputError
 
-SENSITIVITIES = tuple(np.round(np.arange(0.10, 0.71, 0.05), 2))
+SENSITIVITIES = tuple(float(x) for x in np.round(np.arange(0.10, 0.71, 0.05), 2))
 TAUS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
+WINDOWS_S = (0.0, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2)
+MAX_ROUNDS = 6
 HELD_OUT_PHASE = "duty"
 FITTED_PHASES = ("self", "recover", "recover_idle")
 
@@ -66,7 +71,8 @@ def read_probe(probe_dir: Path) -> tuple:
 
 
 def composition_table(steps, smi, meta, model) -> pd.DataFrame:
-    """Per composition: full-clock seconds, settling clock (MHz) and TFLOP/s at full clock."""
+    """Per composition: its first steps' seconds after a rest, settling clock (MHz) and TFLOP/s
+    (at the first steps' speed)."""
     from simkv.gpu.profile_design import features
     from simkv.core.plan import StepPlan
     counts = flop_counts(model)
@@ -75,7 +81,8 @@ def composition_table(steps, smi, meta, model) -> pd.DataFrame:
     for (name, case_start), g in self_steps.groupby(
             ["composition", (self_steps["seq"] == 0).cumsum()]):
         settled = smi[(smi["t_s"] > g["start_s"].min() + 0.3) & (smi["t_s"] < g["end_s"].max())]
-        rows.append({"composition": name, "full_s": g["time_s"].iloc[:2].min(),
+        rows.append({"composition": name, "first_s": g["time_s"].iloc[:2].min(),
+                     "last_s": g["time_s"].iloc[-5:].median(),
                      "settling_mhz": settled["sm_mhz"].median()})
     table = pd.DataFrame(rows).groupby("composition").median()
     flops = {}
@@ -85,7 +92,7 @@ def composition_table(steps, smi, meta, model) -> pd.DataFrame:
             if hasattr(plan, key) and key != "num_decode_seqs":
                 setattr(plan, key, value)
         flops[name] = step_flops(plan, counts)
-    table["tflops"] = pd.Series(flops) / table["full_s"] / 1e12
+    table["tflops"] = pd.Series(flops) / table["first_s"] / 1e12
     return table
 
 
@@ -106,11 +113,21 @@ def fit_settling(table: pd.DataFrame, max_mhz: float) -> tuple:
     return best
 
 
+def rested_full_seconds(clock: ClockModel, first_s: float, target_mhz: float) -> float:
+    """The full-clock seconds of a composition whose first step after a rest took `first_s`
+    (a long heavy step pulls the clock down while it runs)."""
+    full = first_s
+    for _ in range(3):
+        full *= first_s / ClockState(clock).run_step(0.0, full, target_mhz)
+    return full
+
+
 def replay(steps: pd.DataFrame, table: pd.DataFrame, clock: ClockModel) -> np.ndarray:
     """Predicted seconds of every probe step, the clock state carried across the trace."""
-    state = ClockState(clock)
-    full = table["full_s"].to_dict()
     target = {n: clock.settling_mhz(t) for n, t in table["tflops"].items()}
+    full = {n: rested_full_seconds(clock, first, target[n])
+            for n, first in table["first_s"].items()}
+    state = ClockState(clock)
     out = np.empty(len(steps))
     for i, (name, start, end) in enumerate(zip(steps["composition"], steps["start_s"],
                                                steps["end_s"])):
@@ -124,7 +141,25 @@ def _rms_log(measured, predicted) -> float:
     return float(np.sqrt(np.mean(e ** 2)))
 
 
-def fit_clock(probe_dirs, model, profile_mhz: float) -> dict:
+def profile_state_check(probe_dir: Path, table: pd.DataFrame, clock: ClockModel) -> list:
+    """Per probe composition timed inside the profiler's grid (`profile` phase): its time there
+    over its light-work time (the faster of its first steps after a rest and its last steps
+    back to back), against the model's slowdown at its settling clock."""
+    path = Path(probe_dir) / "profile_state.csv"
+    if not path.is_file():
+        return []
+    grid = pd.read_csv(path)
+    grid = grid[grid["family"] == "probe"].set_index("id")["time_s"]
+    out = []
+    for name, r in table.iterrows():
+        if name in grid:
+            fast = min(r.first_s, r.last_s)
+            out.append({"composition": name, "measured": round(float(grid[name] / fast), 4),
+                        "model": round(clock.slowdown(clock.settling_mhz(r.tflops)), 4)})
+    return out
+
+
+def fit_clock(probe_dirs, model) -> dict:
     """The clock model fitted to one or more probes (each its own lease of the GPU: its own
     full-clock times), with its errors (see the module doc)."""
     if isinstance(probe_dirs, (str, Path)):
@@ -143,19 +178,39 @@ def fit_clock(probe_dirs, model, profile_mhz: float) -> dict:
     measured = steps["time_s"].to_numpy()
     train = steps["phase"].isin(FITTED_PHASES).to_numpy()
     held = (steps["phase"] == HELD_OUT_PHASE).to_numpy()
-    base = np.concatenate([s["composition"].map(t["full_s"]).to_numpy() for s, t, _ in probes])
+    base = np.concatenate([s["composition"].map(t["first_s"]).to_numpy() for s, t, _ in probes])
 
     def predict(clock):
         return np.concatenate([replay(s, t, clock) for s, t, _ in probes])
 
-    best = None
-    for s, down, up in itertools.product(SENSITIVITIES, TAUS_S, TAUS_S):
-        clock = ClockModel(max_mhz, floor, knee, slope, float(s), down, up, profile_mhz)
-        pred = predict(clock)
-        rms = _rms_log(measured[train], pred[train])
-        if best is None or rms < best[0]:
-            best = (rms, clock, pred)
-    rms, clock, pred = best
+    # For each controller window, coordinate descent over the other grids: each parameter in
+    # turn takes its best grid value given the others, until a whole round changes nothing.
+    grids = {"sensitivity": SENSITIVITIES, "tau_down_s": TAUS_S, "tau_up_s": TAUS_S}
+    cache = {}
+
+    def score(values):
+        key = tuple(sorted(values.items()))
+        if key not in cache:
+            clock = ClockModel(max_mhz, floor, knee, slope,
+                               **{k: float(v) for k, v in values.items()})
+            pred = predict(clock)
+            cache[key] = (_rms_log(measured[train], pred[train]), clock, pred)
+        return cache[key]
+
+    def descend(window):
+        params = {"sensitivity": 0.3, "tau_window_s": window, "tau_down_s": 0.05,
+                  "tau_up_s": 0.05}
+        for _ in range(MAX_ROUNDS):
+            before = dict(params)
+            for name, grid in grids.items():
+                params[name] = min(grid, key=lambda v: score(dict(params, **{name: v}))[0])
+            if params == before:
+                break
+        return score(params)
+
+    rms, clock, pred = min((descend(w) for w in WINDOWS_S), key=lambda r: r[0])
+    check = [dict(row, probe=str(d)) for (_, t, _), d in zip(probes, probe_dirs)
+             for row in profile_state_check(d, t, clock)]
     by_phase = {}
     for phase in sorted(set(steps["phase"])):
         k = (steps["phase"] == phase).to_numpy()
@@ -179,9 +234,15 @@ def fit_clock(probe_dirs, model, profile_mhz: float) -> dict:
             "held_out_median_abs_error_clock_blind": round(float(np.median(np.abs(
                 base[held] / measured[held] - 1))), 4),
             "by_phase": by_phase,
+            "profile_state": {
+                "compositions": check,
+                "mean_abs_error": round(float(np.mean([abs(c["model"] / c["measured"] - 1)
+                                                       for c in check])), 4) if check else None,
+                "mean_abs_error_as_measured": round(float(np.mean(
+                    [abs(1 / c["measured"] - 1) for c in check])), 4) if check else None},
         },
         "compositions": [{"probe": r.probe, "composition": n,
-                          "full_ms": round(1e3 * r.full_s, 3),
+                          "first_ms": round(1e3 * r.first_s, 3),
                           "settling_mhz": round(r.settling_mhz, 1),
                           "tflops": round(r.tflops, 1)} for n, r in tables.iterrows()],
     }
@@ -191,18 +252,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("probe_dirs", type=Path, nargs="+", help="clock probe folders")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--profile-mhz", type=float, required=True,
-                    help="median SM clock over the profile's step grid (nvidia-smi beside it)")
-    ap.add_argument("--profile-mhz-source", default="", help="where that figure was measured")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     from simkv.core.specs import load_model
     try:
-        result = fit_clock(args.probe_dirs, load_model(args.model), args.profile_mhz)
+        result = fit_clock(args.probe_dirs, load_model(args.model))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result["params_source"] = {"profile_mhz": args.profile_mhz_source}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["fit"], indent=1))
     return 0
