@@ -46,8 +46,11 @@ def dump(scenario_path: str, measured_dir: str, out: str, every: int) -> None:
     batches = []
 
     class Recorder(_PlanReplay):
+        steps = 0
+
         def predict(self, plan):
-            k = len(self.rows)
+            k = self.steps
+            self.steps += 1
             if plan.num_prefill_tokens == 0 and plan.scheduled and k % every == 0:
                 batches.append({"step": k, "block_size": scn.cache.block_size,
                                 "contexts": [s.start + 1 for s in plan.scheduled],
@@ -60,19 +63,9 @@ def dump(scenario_path: str, measured_dir: str, out: str, every: int) -> None:
     print(f"{len(batches)} decode batches written to {out}")
 
 
-def _plan(contexts, tables, tokens):
-    from simkv.core.plan import ScheduledSeq, StepPlan
-    from simkv.core.request import Sequence
-    from simkv.gpu.profile_design import features
-    scheduled = [ScheduledSeq(Sequence(seq_id=i, request=None, sample=0, num_tokens=c,
-                                       num_computed_tokens=c - 1, block_table=t,
-                                       token_ids=tokens), c - 1, 1, True)
-                 for i, (c, t) in enumerate(zip(contexts, tables))]
-    plan = StepPlan(step=0, now_s=0.0, scheduled=scheduled)
-    for key, value in features([(c - 1, 1, True) for c in contexts]).items():
-        if hasattr(plan, key) and key != "num_decode_seqs":
-            setattr(plan, key, value)
-    return plan
+def _plan(contexts, tables, tokens, block_size):
+    from simkv.gpu.profile_design import step_plan
+    return step_plan([(c - 1, 1, True) for c in contexts], block_size, tables, tokens)
 
 
 def time_batches(path: str, out_dir: str, device: str) -> None:
@@ -94,12 +87,12 @@ def time_batches(path: str, out_dir: str, device: str) -> None:
                                                device)
         ex = executors[bs]
         tokens = _tokens(ex, rng)
-        served = _plan(b["contexts"], b["tables"], tokens)
+        served = _plan(b["contexts"], b["tables"], tokens, bs)
         perm, used, random_tables = rng.permutation(ex.num_blocks).tolist(), 0, []
         for t in b["tables"]:
             random_tables.append(perm[used:used + len(t)])
             used += len(t)
-        scattered = _plan(b["contexts"], random_tables, tokens)
+        scattered = _plan(b["contexts"], random_tables, tokens, bs)
         for layout, plan in (("served", served), ("random", scattered)):
             time.sleep(0.05)
             for _ in range(3):
@@ -126,7 +119,7 @@ def report(path: str, steps_csv: str) -> None:
         bs = b["block_size"]
         models.setdefault(bs, ProfiledCostModel.load(ROOT / "profiles/h200/llama-3.1-8b", bs,
                                                      model=load_model("llama-3.1-8b")))
-        plan = _plan(b["contexts"], b["tables"], None)
+        plan = _plan(b["contexts"], b["tables"], None, bs)
         pred.append({"step": b["step"], "predicted_s": models[bs].forward_seconds(plan),
                      "batch": len(b["contexts"]), "max_context": max(b["contexts"])})
     df = df.merge(pd.DataFrame(pred), on="step")

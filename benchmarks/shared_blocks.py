@@ -27,34 +27,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from simkv.costmodel.shared_reads import OWN_TOKENS  # noqa: E402  (each sequence's own tail)
+
 BLOCK_SIZE = 16
-OWN_TOKENS = 64          # each sequence's unshared tail
 
 
 def batch(b: int, ctx: int, group: int, spread: bool, perm, tokens):
     """A decode StepPlan of b sequences of context ctx; members of a group of `group` share
     their tables but for the last OWN_TOKENS tokens (group 1: nothing shared; group b: one
     prefix for all)."""
-    from simkv.core.plan import ScheduledSeq, StepPlan
-    from simkv.core.request import Sequence
-    from simkv.gpu.profile_design import features
+    from simkv.gpu.profile_design import step_plan
     shared_blocks = (ctx - OWN_TOKENS) // BLOCK_SIZE if group > 1 else 0
     total_blocks = -(-ctx // BLOCK_SIZE)
     num_groups = b // group
     it = iter(perm.tolist())
     prefixes = [[next(it) for _ in range(shared_blocks)] for _ in range(num_groups)]
-    scheduled = []
-    for i in range(b):
-        g = i % num_groups if spread else i // group
-        table = prefixes[g] + [next(it) for _ in range(total_blocks - shared_blocks)]
-        seq = Sequence(seq_id=i, request=None, sample=0, num_tokens=ctx,
-                       num_computed_tokens=ctx - 1, block_table=table, token_ids=tokens)
-        scheduled.append(ScheduledSeq(seq, ctx - 1, 1, True))
-    plan = StepPlan(step=0, now_s=0.0, scheduled=scheduled)
-    for key, value in features([(ctx - 1, 1, True)] * b).items():
-        if hasattr(plan, key) and key != "num_decode_seqs":
-            setattr(plan, key, value)
-    return plan
+    tables = [prefixes[i % num_groups if spread else i // group]
+              + [next(it) for _ in range(total_blocks - shared_blocks)] for i in range(b)]
+    return step_plan([(ctx - 1, 1, True)] * b, BLOCK_SIZE, tables, tokens)
 
 
 def main() -> None:

@@ -1,4 +1,8 @@
 """Errors raised where input enters simkv (config, trace, CLI)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 
 class InputError(Exception):
@@ -6,3 +10,18 @@ class InputError(Exception):
 
     The message names the file, key or row and what would be valid.
     """
+
+
+def read_json_object(path, missing: str) -> dict:
+    """The JSON object in `path`; InputError naming the file when it is missing (`missing`
+    says what to do), unreadable, not JSON, or not an object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file ({missing})") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -10,7 +10,7 @@ from simkv.core.config import load_scenario
 from simkv.core.specs import load_model
 from simkv.costmodel import load_cost_model
 from simkv.costmodel.clock import (CLOCK_FILE, ClockedCostModel, ClockModel, ClockState,
-                                   flop_counts, step_flops)
+                                   step_flops)
 from simkv.costmodel.profiled import ProfiledCostModel
 from simkv.errors import InputError
 from tests.test_profiled_costmodel import plan_of, write_fit
@@ -74,7 +74,7 @@ def test_reset_puts_the_gpu_back_at_full_clock():
 
 def test_step_flops_count_dense_layers_lm_head_and_attention_pairs():
     model = load_model("llama-3.1-8b")
-    per_token, per_sample, per_pair = flop_counts(model)
+    per_token, per_sample, per_pair = model.forward_flops()
     plan = plan_of([(0, 4, False), (9, 1, True)])    # 4 prefill tokens; a decode of context 10
     expected = per_token * 5 + per_sample * 2 + per_pair * (10 + 10)
     assert step_flops(plan, (per_token, per_sample, per_pair)) == pytest.approx(expected)
@@ -143,14 +143,19 @@ def test_an_unknown_gpu_clock_setting_is_refused():
         scenario(gpu_clock="slow")
 
 
-def test_two_simulations_with_one_clocked_model_give_the_same_result():
+def test_a_second_simulation_with_one_clocked_model_starts_on_a_rested_gpu():
     from simkv.sim.engine import simulate
+    # long prompts, one output token: the run ends on a prefill, with the clock down
     scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
-                        {"workload.synthetic.num_requests": 40})
+                        {"workload.synthetic.num_requests": 12,
+                         "workload.synthetic.arrival.rate": 100.0,
+                         "workload.synthetic.prompt_tokens": {"dist": "fixed", "value": 6000},
+                         "workload.synthetic.output_tokens": {"dist": "fixed", "value": 1}})
     model = load_cost_model(scn)
     first = simulate(scn, cost_model=model).summary
+    assert model.state.mhz < model.clock.max_mhz
     second = simulate(scn, cost_model=model).summary
-    assert first["ttft_s"] == second["ttft_s"] and first["tpot_s"] == second["tpot_s"]
+    assert first["ttft_s"] == second["ttft_s"]
 
 
 def test_long_prompts_arriving_apart_prefill_faster_than_the_profile_timed_them():
@@ -181,3 +186,13 @@ def test_the_committed_clock_model_refits_from_its_committed_probe():
     # grid measured than reading it as full-clock times
     state = fit["profile_state"]
     assert state["mean_abs_error"] < state["mean_abs_error_as_measured"]
+
+
+def test_a_probe_folder_without_its_metadata_is_refused_naming_the_file(tmp_path):
+    from simkv.costmodel.clock_fit import read_probe
+    source = PROFILE / "probes" / "clock"
+    for name in ("steps.csv", "smi.csv"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(InputError, match="meta.json: needs t0_unix and compositions"):
+        read_probe(tmp_path)

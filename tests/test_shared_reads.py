@@ -59,6 +59,7 @@ def test_the_profiled_model_reads_shared_context_at_the_measured_saving(tmp_path
     (tmp_path / SHARED_READS_FILE).write_text(json.dumps(
         {"format": "simkv-shared-reads-1", "saving": 0.5}))
     shared = ProfiledCostModel.load(tmp_path / "fit.json", block_size=16)
+    shared.use_shared_reads(load_shared_reads(tmp_path))
     plan = plan_of(items, decode_shared_context_tokens=2048)
     # a_dec is 1e-8 s per token at block size 16 (test_profiled_costmodel.coefs)
     assert plain.predict(plan) - shared.predict(plan) == pytest.approx(0.5 * 1e-8 * 2048)
@@ -67,7 +68,8 @@ def test_the_profiled_model_reads_shared_context_at_the_measured_saving(tmp_path
 
 
 @pytest.mark.parametrize("content, match", [
-    ("{", "unreadable"),
+    ("{", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
     (json.dumps({"format": "simkv-shared-reads-1", "saving": 1.5}), "saving in \\[0, 1\\]"),
     (json.dumps({"format": "other", "saving": 0.5}), "needs format")])
 def test_a_bad_shared_reads_file_names_itself(tmp_path, content, match):
@@ -88,3 +90,20 @@ def test_the_committed_saving_refits_from_its_committed_probe():
     refit = fit_shared_reads([ROOT / p for p in committed["fit"]["probes"]], PROFILE)
     assert refit["saving"] == committed["saving"]
     assert 0.3 < refit["saving"] < 0.7
+
+
+def test_the_bundled_profile_is_simulated_with_its_shared_read_saving():
+    from simkv.core.config import load_scenario
+    from simkv.costmodel import load_cost_model
+    scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml")
+    assert load_cost_model(scn).shared_reads["saving"] == pytest.approx(0.473)
+    fixed = load_scenario(ROOT / "scenarios" / "quickstart.yaml", {"gpu_clock": "fixed"})
+    assert load_cost_model(fixed).shared_reads["saving"] == pytest.approx(0.473)
+
+
+def test_a_probe_without_the_unshared_batch_names_what_is_missing(tmp_path):
+    from simkv.costmodel.shared_reads import fit_shared_reads
+    (tmp_path / "steps.csv").write_text("batch,context,group,spread,time_s\n"
+                                        "64,1024,2,False,0.007\n")
+    with pytest.raises(InputError, match="no unshared batch .group 1. of batch 64, context 1024"):
+        fit_shared_reads(tmp_path, PROFILE)

@@ -39,8 +39,9 @@ class StepPlan:
     num_prefill_seqs: int = 0
     decode_context_tokens: int = 0      # sum of decode sequences' context lengths
     decode_max_context: int = 0         # the longest decode context (the kernel's busiest program)
-    decode_shared_context_tokens: int = 0   # of decode_context_tokens, those in blocks another
-    #                                         running sequence holds too (read again, from L2)
+    decode_shared_context_tokens: int = 0   # repeated reads: (holders - 1) x block_size summed
+    # over the blocks held by several tables (the KV manager's count over every running
+    # sequence, capped at decode_context_tokens; exact when all holders decode, as n > 1 samples)
     prefill_context_tokens: int = 0     # sum of prefill chunks' context lengths after the step
     prefill_attention_pairs: int = 0    # query-key pairs of prefill attention (causal)
     # memory operations the executor performs before the forward

@@ -80,6 +80,13 @@ class ModelSpec:
         """Bytes of all weights at `dtype_bytes` per parameter (2 = bf16)."""
         return self.num_params * dtype_bytes
 
+    def forward_flops(self) -> tuple:
+        """(FLOPs per token of every layer but the embedding table and the LM head, per sampled
+        row of the LM head, per query-key pair of attention) of one forward pass."""
+        embed = self.vocab_size * self.hidden_size
+        dense = self.num_params - embed * (1 if self.tie_word_embeddings else 2)
+        return 2.0 * dense, 2.0 * embed, 4.0 * self.num_layers * self.num_heads * self.head_dim
+
 
 def count_params(
     architecture: str,

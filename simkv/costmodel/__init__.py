@@ -1,4 +1,8 @@
-"""Step-cost models: `predict(plan) -> seconds`. Roofline (from specs) and profiled (fitted)."""
+"""Step-cost models: `predict(plan) -> seconds`. Roofline (from specs) and profiled (fitted).
+
+A model may keep state across the steps of a run (the GPU's clock: `simkv.costmodel.clock`):
+such a model has `reset()`, which the simulator calls when a run starts, and expects `predict`
+once per executed step, in time order."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +33,7 @@ def load_cost_model(scenario):
                 profiled = ProfiledCostModel.load(path, block_size=cache.block_size,
                                                   kv_dtype=cache.kv_dtype, model=scenario.model,
                                                   gpu=scenario.gpu, scheduler=scenario.scheduler)
-                return _with_clock(profiled, scenario)
+                return _serving_effects(profiled, scenario)
             except BlockSizeNotProfiled as e:
                 if choice != "auto":
                     raise
@@ -45,13 +49,15 @@ def load_cost_model(scenario):
     return _roofline(scenario)
 
 
-def _with_clock(profiled, scenario):
-    """The profiled model under the profile's clock model (clock.json beside the fit), unless
-    the scenario says `gpu_clock: fixed`."""
+def _serving_effects(profiled, scenario):
+    """What the profile's measurements beside its fit add: repeated reads of shared blocks
+    (shared_reads.json) and the GPU's clock state (clock.json; not with `gpu_clock: fixed`)."""
     from simkv.costmodel.clock import CLOCK_FILE, ClockedCostModel, load_clock
+    from simkv.costmodel.shared_reads import load_shared_reads
+    profile_dir = profiled.path.parent
+    profiled.use_shared_reads(load_shared_reads(profile_dir))
     if scenario.gpu_clock == "fixed":
         return profiled
-    profile_dir = profiled.path.parent
     clock = load_clock(profile_dir)
     if clock is None:
         return profiled

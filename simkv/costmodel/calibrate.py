@@ -53,7 +53,7 @@ def _roofline_terms(model, gpu, steps: pd.DataFrame, kv_dtype="bf16") -> dict:
     m = RooflineCostModel(model, gpu, kv_dtype, 16, ones)
     tokens = (steps["num_prefill_tokens"] + steps["num_decode_tokens"]).to_numpy(float)
     sampled = (steps["num_decode_tokens"] + steps["num_prefill_seqs"]).to_numpy(float)
-    flops = 2.0 * (m.dense_params * tokens + m.lm_head_params * sampled)
+    flops = m.flops_per_token * tokens + m.flops_per_sample * sampled
     kv = (steps["decode_context_tokens"] + steps["prefill_context_tokens"]).to_numpy(float) \
         + tokens
     eager = ((steps["num_prefill_tokens"] > 0)

@@ -24,28 +24,21 @@ simulated step at the clock the run so far has left the GPU in.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 CLOCK_FILE = "clock.json"
 CLOCK_FORMAT = "simkv-clock-1"
-
-
-def flop_counts(model) -> tuple:
-    """(FLOPs per token of the dense layers, per sampled row of the LM head, per query-key
-    pair of attention) of a model spec."""
-    embed = model.vocab_size * model.hidden_size
-    dense = model.num_params - embed * (1 if model.tie_word_embeddings else 2)
-    return 2.0 * dense, 2.0 * embed, 4.0 * model.num_layers * model.num_heads * model.head_dim
+MAX_TAU_S = 10.0              # an idle gap is integrated in slices up to 12 time constants
 
 
 def step_flops(plan, counts: tuple) -> float:
     """FLOPs of a step's forward: dense layers on every token, the LM head on sampled rows,
-    attention over every query-key pair (prefill causal pairs and decode contexts)."""
+    attention over every query-key pair (prefill causal pairs and decode contexts); `counts`
+    is the model's `ModelSpec.forward_flops()`."""
     per_token, per_sample, per_pair = counts
     tokens = plan.num_prefill_tokens + plan.num_decode_tokens
     sampled = plan.num_decode_tokens + plan.num_prefill_seqs
@@ -76,12 +69,8 @@ class ClockModel:
     @classmethod
     def load(cls, path) -> "ClockModel":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{path}: unreadable clock model ({' '.join(str(e).split())})") \
-                from None
-        params = data.get("params") if isinstance(data, dict) else None
+        data = read_json_object(path, "run `python -m simkv.costmodel.clock_fit`")
+        params = data.get("params")
         if data.get("format") != CLOCK_FORMAT or not isinstance(params, dict):
             raise InputError(f"{path}: not a {CLOCK_FORMAT} file (re-run "
                              "`python -m simkv.costmodel.clock_fit`)")
@@ -92,10 +81,11 @@ class ClockModel:
                     or v < 0:
                 raise InputError(f"{path}: params.{key} must be a number >= 0, got {v!r}")
             values[key] = float(v)
-        if not 0 < values["min_mhz"] <= values["max_mhz"] or values["tau_down_s"] <= 0 \
-                or values["tau_up_s"] <= 0:
+        taus = (values["tau_down_s"], values["tau_up_s"], values["tau_window_s"])
+        if not 0 < values["min_mhz"] <= values["max_mhz"] or min(taus[:2]) <= 0 \
+                or max(taus) > MAX_TAU_S:
             raise InputError(f"{path}: params need 0 < min_mhz <= max_mhz and time constants "
-                             "> 0")
+                             f"in (0, {MAX_TAU_S:g}] s")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -178,7 +168,7 @@ class ClockedCostModel:
         self.inner = inner
         self.clock = clock
         self.state = ClockState(clock)
-        self.counts = flop_counts(model)
+        self.counts = model.forward_flops()
         self.source = source
         self.name = f"{inner.name}+clock"
 
@@ -197,7 +187,8 @@ class ClockedCostModel:
         if forward <= 0:
             return around
         full, settling = self.full_clock(forward, step_flops(plan, self.counts))
-        # the engine's host time after the forward idles the GPU until the next step starts
+        # The forward is clocked from the step's start; the engine's host time, copies and swaps
+        # (`around`, which run on the host or the copy engines) count as the GPU idling after it.
         return self.state.run_step(plan.now_s, full, settling) + around
 
     def full_clock(self, profiled_s: float, flops: float) -> tuple:

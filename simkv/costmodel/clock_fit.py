@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.costmodel.clock import (CLOCK_FORMAT, ClockModel, ClockState, flop_counts,
-                                   step_flops)
+from simkv.costmodel.clock import CLOCK_FORMAT, ClockModel, ClockState, step_flops
 from simkv.errors import InputError
 
 SENSITIVITIES = tuple(float(x) for x in np.round(np.arange(0.10, 0.71, 0.05), 2))
@@ -62,7 +61,15 @@ def read_probe(probe_dir: Path) -> tuple:
     clock_column = [c for c in smi.columns if c.startswith("clocks") and c.endswith(".sm")]
     if "timestamp" not in smi or not clock_column:
         raise InputError(f"{probe_dir}/smi.csv: needs nvidia-smi's timestamp and clocks.sm")
-    stamp = pd.to_datetime(smi["timestamp"], format="%Y/%m/%d %H:%M:%S.%f")
+    if not isinstance(meta, dict) or not isinstance(meta.get("t0_unix"), (int, float)) \
+            or not isinstance(meta.get("compositions"), dict):
+        raise InputError(f"{probe_dir}/meta.json: needs t0_unix and compositions "
+                         "(written by benchmarks/clock_probe.py)")
+    try:
+        stamp = pd.to_datetime(smi["timestamp"], format="%Y/%m/%d %H:%M:%S.%f")
+    except ValueError:
+        raise InputError(f"{probe_dir}/smi.csv: timestamps not as nvidia-smi writes them "
+                         "(YYYY/MM/DD HH:MM:SS.fff)") from None
     smi["t_s"] = (stamp - pd.Timestamp("1970-01-01")).dt.total_seconds() - meta["t0_unix"]
     smi["sm_mhz"] = pd.to_numeric(smi[clock_column[0]], errors="coerce")
     steps = steps.sort_values("end_s").reset_index(drop=True)
@@ -73,10 +80,12 @@ def read_probe(probe_dir: Path) -> tuple:
 def composition_table(steps, smi, meta, model) -> pd.DataFrame:
     """Per composition: its first steps' seconds after a rest, settling clock (MHz) and TFLOP/s
     (at the first steps' speed)."""
-    from simkv.gpu.profile_design import features
-    from simkv.core.plan import StepPlan
-    counts = flop_counts(model)
+    from simkv.gpu.profile_design import step_plan
+    counts = model.forward_flops()
     self_steps = steps[steps["phase"] == "self"]
+    if self_steps.empty:
+        raise InputError("a clock probe without its `self` phase (every composition after a "
+                         "rest) has no full-clock times")
     rows = []
     for (name, case_start), g in self_steps.groupby(
             ["composition", (self_steps["seq"] == 0).cumsum()]):
@@ -87,10 +96,7 @@ def composition_table(steps, smi, meta, model) -> pd.DataFrame:
     table = pd.DataFrame(rows).groupby("composition").median()
     flops = {}
     for name in table.index:
-        plan = StepPlan(step=0, now_s=0.0)
-        for key, value in features([tuple(it) for it in meta["compositions"][name]]).items():
-            if hasattr(plan, key) and key != "num_decode_seqs":
-                setattr(plan, key, value)
+        plan = step_plan([tuple(it) for it in meta["compositions"][name]], 16)
         flops[name] = step_flops(plan, counts)
     table["tflops"] = pd.Series(flops) / table["first_s"] / 1e12
     return table
@@ -173,7 +179,11 @@ def fit_clock(probe_dirs, model) -> dict:
         probes.append((steps, table, float(smi["sm_mhz"].max())))
     tables = pd.concat([t for _, t, _ in probes])
     max_mhz = max(m for _, _, m in probes)
-    knee, slope, floor, settle_rms = fit_settling(tables, max_mhz)
+    settling = fit_settling(tables, max_mhz)
+    if settling is None:
+        raise InputError(f"{', '.join(map(str, probe_dirs))}: no composition above the lowest "
+                         "FLOP rate: the settling clock cannot be fitted")
+    knee, slope, floor, settle_rms = settling
     steps = pd.concat([s for s, _, _ in probes], ignore_index=True)
     measured = steps["time_s"].to_numpy()
     train = steps["phase"].isin(FITTED_PHASES).to_numpy()

@@ -8,16 +8,14 @@ profiled range is refused.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from pathlib import Path
 
 from simkv.core.specs import KV_DTYPE_BYTES, profiles_dir
 from simkv.costmodel.fit import FIT_FORMAT
-from simkv.costmodel.shared_reads import load_shared_reads
 from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
                                           hats, transfer_seconds)
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
              "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s")
@@ -101,12 +99,15 @@ class ProfiledCostModel:
         self.bytes_per_block = kv_per_token * self.block_size
         if scheduler is not None:
             self._follow_scheduler(scheduler, model)
-        # A block that several decode sequences read (forks, prefix hits) is read again from
-        # L2: each repeated read saves this share of a read from HBM (shared_reads.json, a
-        # measurement beside the fit; without one, repeated reads cost as much as any).
-        self.shared_reads = load_shared_reads(self.path.parent)
-        self._shared_saving = self.shared_reads["saving"] if self.shared_reads else 0.0
+        self.use_shared_reads(None)
         self._prepare()
+
+    def use_shared_reads(self, shared_reads: dict | None) -> None:
+        """A block that several decode sequences read (forks, prefix hits) is read again from
+        L2: each repeated read saves `shared_reads['saving']` of a read from HBM (a measurement
+        beside the fit, `simkv.costmodel.shared_reads`); None: repeats cost as much as any."""
+        self.shared_reads = shared_reads
+        self._shared_saving = shared_reads["saving"] if shared_reads else 0.0
 
     def _follow_scheduler(self, sched, model) -> None:
         """The step layout of an engine run with these scheduler settings (as the executor
@@ -136,13 +137,7 @@ class ProfiledCostModel:
         path = Path(path)
         if path.is_dir():
             path = path / "fit.json"
-        try:
-            fit = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise InputError(f"{path}: no such fit file (run `simkv fit` on a profile "
-                             "directory)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+        fit = read_json_object(path, "a fit file: run `simkv fit` on a profile directory")
         return cls(fit, path, block_size, kv_dtype, model, gpu, scheduler)
 
     def _check(self, fit: dict, model) -> None:

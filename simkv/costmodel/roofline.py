@@ -77,13 +77,11 @@ class RooflineCostModel:
         self.block_size = block_size
         self.kv_bytes_per_token = model.kv_bytes_per_token(kv_dtype)
         self.bytes_per_block = self.kv_bytes_per_token * block_size
-        embed = model.vocab_size * model.hidden_size
         self.weight_bytes = model.weight_bytes(weight_dtype_bytes)
-        # Parameters touched per token: everything but the embedding table and the LM head, which
-        # only runs for rows that sample a token.
-        self.dense_params = model.num_params - embed * (1 if model.tie_word_embeddings else 2)
-        self.lm_head_params = embed
-        self.attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
+        # Every layer but the embedding table runs on every token; the LM head only on rows that
+        # sample a token.
+        self.flops_per_token, self.flops_per_sample, self.attn_flops_per_pair = \
+            model.forward_flops()
         self.num_layers = model.num_layers
         bw = gpu.hbm_bandwidth_bytes_per_s * p.bandwidth_efficiency
         self.seconds_per_byte = 1.0 / bw
@@ -98,7 +96,7 @@ class RooflineCostModel:
         seconds = 0.0
         if tokens:
             sampled = plan.num_decode_tokens + plan.num_prefill_seqs
-            flops = 2.0 * (self.dense_params * tokens + self.lm_head_params * sampled)
+            flops = self.flops_per_token * tokens + self.flops_per_sample * sampled
             seconds += max(self.weight_bytes * self.seconds_per_byte, flops * self.seconds_per_flop)
             kv_read = plan.decode_context_tokens + plan.prefill_context_tokens
             seconds += (kv_read + tokens) * self.kv_bytes_per_token * self.seconds_per_byte

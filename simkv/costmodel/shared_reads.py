@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 SHARED_READS_FILE = "shared_reads.json"
 SHARED_READS_FORMAT = "simkv-shared-reads-1"
-OWN_TOKENS = 64           # the probe's unshared tail per sequence (benchmarks/shared_blocks.py)
+OWN_TOKENS = 64           # each probe sequence's unshared tail (benchmarks/shared_blocks.py)
 
 
 def load_shared_reads(profile_dir: Path) -> dict | None:
@@ -45,11 +45,8 @@ def load_shared_reads(profile_dir: Path) -> dict | None:
     path = Path(profile_dir) / SHARED_READS_FILE
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
-    saving = data.get("saving") if isinstance(data, dict) else None
+    data = read_json_object(path, "run `python -m simkv.costmodel.shared_reads`")
+    saving = data.get("saving")
     if data.get("format") != SHARED_READS_FORMAT or isinstance(saving, bool) \
             or not isinstance(saving, (int, float)) or not math.isfinite(saving) \
             or not 0 <= saving <= 1:
@@ -90,8 +87,12 @@ def fit_shared_reads(probe_dirs, profile_dir: Path) -> dict:
     med = pd.concat(parts).groupby(keys)["time_s"].median().reset_index()
     base = med[med["group"] == 1].set_index(["probe", "block_size", "batch", "context"])["time_s"]
     med = med[med["group"] > 1].copy()
-    med["saving_s"] = [base[k] for k in zip(med["probe"], med["block_size"], med["batch"],
-                                            med["context"])] - med["time_s"]
+    keys = list(zip(med["probe"], med["block_size"], med["batch"], med["context"]))
+    missing = sorted({k for k in keys if k not in base.index})
+    if missing:
+        raise InputError(f"{missing[0][0]}/steps.csv: no unshared batch (group 1) of batch "
+                         f"{missing[0][2]}, context {missing[0][3]} to measure the saving against")
+    med["saving_s"] = [base[k] for k in keys] - med["time_s"]
     models = {bs: ProfiledCostModel.load(profile_dir, block_size=int(bs))
               for bs in set(med["block_size"])}
     med["full_read_s"] = [models[bs].decode_token_seconds(int(b)) * repeated_tokens(

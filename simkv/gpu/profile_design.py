@@ -159,8 +159,33 @@ def prefill_chunks_by_id() -> dict:
     return out
 
 
+def step_plan(items, block_size: int, tables=None, tokens=None):
+    """A StepPlan of fresh sequences, one per item (start, num_tokens, is_decode), with the
+    scheduler's features. `tables`: each sequence's block table (default: blocks numbered from
+    0 in order, nothing shared); `tokens`: the real engine's token ids (None to only predict)."""
+    from simkv.core.plan import ScheduledSeq, StepPlan
+    from simkv.core.request import Sequence
+    scheduled, used = [], 0
+    for i, (start, n, is_decode) in enumerate(items):
+        if tables is None:
+            blocks = -(-(start + n) // block_size)
+            table = list(range(used, used + blocks))
+            used += blocks
+        else:
+            table = list(tables[i])
+        seq = Sequence(seq_id=i, request=None, sample=0, num_tokens=start + n,
+                       num_computed_tokens=start, block_table=table, token_ids=tokens)
+        scheduled.append(ScheduledSeq(seq, start, n, is_decode))
+    plan = StepPlan(step=0, now_s=0.0, scheduled=scheduled)
+    for key, value in features(items).items():
+        if key != "num_decode_seqs":          # a property of the plan
+            setattr(plan, key, value)
+    return plan
+
+
 def features(items) -> dict:
-    """Cost-model features of a composition (as `Scheduler._finalise` computes them)."""
+    """Cost-model features of a composition (as `Scheduler._finalise` computes them, but for
+    `decode_shared_context_tokens`: a composition's sequences share no block)."""
     f = dict(num_prefill_tokens=0, num_decode_tokens=0, num_prefill_seqs=0, num_decode_seqs=0,
              decode_context_tokens=0, prefill_context_tokens=0, prefill_attention_pairs=0,
              decode_max_context=0)

@@ -44,7 +44,7 @@ from simkv.errors import InputError
 from simkv.gpu.engine_pass import (ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host,
                                    six_digits)
 from simkv.gpu.host import frozen_heap, host_conditions, pin_to_cpu
-from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features
+from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features, step_plan
 
 GIB = 1 << 30
 STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
@@ -63,21 +63,12 @@ MAX_NUM_SEQS = 256
 
 def _plan(items, block_size: int, perm: np.ndarray, tokens: list):
     """A StepPlan of fresh sequences whose block tables take blocks from `perm` in order."""
-    from simkv.core.plan import ScheduledSeq, StepPlan
-    from simkv.core.request import Sequence
-    scheduled, used = [], 0
-    for i, (start, n, is_decode) in enumerate(items):
+    tables, used = [], 0
+    for start, n, _ in items:
         blocks = -(-(start + n) // block_size)
-        table = perm[used:used + blocks].tolist()
+        tables.append(perm[used:used + blocks].tolist())
         used += blocks
-        seq = Sequence(seq_id=i, request=None, sample=0, num_tokens=start + n,
-                       num_computed_tokens=start, block_table=table, token_ids=tokens)
-        scheduled.append(ScheduledSeq(seq, start, n, is_decode))
-    plan = StepPlan(step=0, now_s=0.0, scheduled=scheduled)
-    for key, value in features(items).items():
-        if hasattr(plan, key) and key != "num_decode_seqs":
-            setattr(plan, key, value)
-    return plan
+    return step_plan(items, block_size, tables, tokens)
 
 
 LONG_STEP_S = 0.05       # steps longer than this vary little: at most 3 timed repetitions

@@ -183,6 +183,7 @@ def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity:
     """Simulate a scenario; returns summary (dict), requests and steps (DataFrames).
 
     `trace_df` replaces the scenario's workload; `cost_model` (anything with `predict(plan) ->
-    seconds` and a `name`) replaces the scenario's; `check_integrity` runs the KV manager's
-    integrity check after every step (slow on big pools)."""
+    seconds` and a `name`; with `reset()` if it keeps state across steps, called as the run
+    starts) replaces the scenario's; `check_integrity` runs the KV manager's integrity check
+    after every step (slow on big pools)."""
     return Simulation(scenario, trace_df, check_integrity, progress, cost_model).run()

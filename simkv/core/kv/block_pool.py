@@ -65,6 +65,11 @@ class BlockPool:
                 if self.block_hash[block] is not None:
                     self.num_cached_free += 1
 
+    def add_refs(self, block: int, extra: int) -> None:
+        """`extra` more references on an in-use block (tables swapped in together)."""
+        self.ref_cnt[block] += extra
+        self.num_shared_refs += extra
+
     def count_free_among(self, blocks) -> int:
         """How many of `blocks` sit in the free queue (touching them would shrink it)."""
         ref_cnt = self.ref_cnt

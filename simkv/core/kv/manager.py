@@ -65,8 +65,8 @@ class PagedKVCacheManager:
 
     @property
     def num_shared_block_refs(self) -> int:
-        """Device-block references beyond the first (forks, prefix-cache hits): how many
-        blocks the running sequences' tables repeat."""
+        """Device-block references beyond the first, over every table that holds blocks (forks,
+        prefix-cache hits): sum of (holders - 1) over the blocks."""
         return self.pool.num_shared_refs
 
     def seq_slots(self, seq: Sequence) -> int:
@@ -262,9 +262,9 @@ class PagedKVCacheManager:
             seq.block_table = [mapping[b] for b in seq.host_table]
             for block in seq.block_table:
                 counts[block] = counts.get(block, 0) + 1
-        for block, count in counts.items():
-            self.pool.ref_cnt[block] = count
-            self.pool.num_shared_refs += count - 1
+        for block, count in counts.items():      # taken with one reference
+            if count > 1:
+                self.pool.add_refs(block, count - 1)
         for seq in seqs:
             for block in seq.host_table:
                 self.host.release(block)
