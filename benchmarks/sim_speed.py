@@ -1,6 +1,7 @@
 """Simulator speed: simulated seconds per wall second on the whole shared Azure conv trace.
 
-    python benchmarks/sim_speed.py [--runs 3] [--profile] [--tail-ab N] [--json OUT.json]
+    python benchmarks/sim_speed.py [--runs 3] [--profile] [--tail-ab N] [--clock-ab N]
+        [--json OUT.json]
 
 Each run is a whole `simkv run` process (start-up, trace loading, simulation and result writing
 included), timed from outside; the ratio is sim_duration_s / wall seconds. `--profile` then runs
@@ -8,7 +9,8 @@ the simulation once in-process under cProfile and reports where the time goes, b
 `--tail-ab N` times, in one process and alternated N times, the first 6,000 requests at twice
 their rate (32 GiB) with the profile's fit as it is and with its decode tail taken the earlier
 way (the longest program against an even share, `decode_tail_in_order` off): the cost of the
-in-order tail as a ratio.
+in-order tail as a ratio. `--clock-ab N` likewise times the same requests with the GPU
+clock-state model (the default) and with the clock fixed (`gpu_clock: fixed`).
 """
 from __future__ import annotations
 
@@ -81,30 +83,48 @@ def profile_components(scenario: Path) -> dict:
     return {k: round(v / grand, 4) for k, v in totals.items()}
 
 
-def tail_ab(scenario: Path, repeats: int) -> dict:
-    """Wall seconds of the same simulation with the decode tail in launch order and without."""
-    import dataclasses
-    import statistics
+def _ab_scenario(scenario: Path, **top):
     import simkv
-    from simkv.costmodel import load_cost_model
+    return simkv.load_scenario(scenario, {"workload.limit": 6000, "workload.time_scale": 0.5,
+                                          "cache.memory_budget_gib": 32,
+                                          "scheduler.max_model_len": 16384, **top})
+
+
+def _ab(label: str, scn, models: dict, repeats: int) -> dict:
+    """Wall seconds of the same simulation with each of two cost models, alternated `repeats`
+    times in this process; the median ratio of the first over the second."""
+    import statistics
     from simkv.sim.engine import simulate
-    scn = simkv.load_scenario(scenario, {"workload.limit": 6000, "workload.time_scale": 0.5,
-                                         "cache.memory_budget_gib": 32,
-                                         "scheduler.max_model_len": 16384})
-    on = load_cost_model(scn)
-    off = load_cost_model(scn)
-    off.layout = dataclasses.replace(off.layout, decode_tail_in_order=False)
-    times = {"in_order": [], "even_share": []}
+    times = {name: [] for name in models}
     for _ in range(repeats):
-        for name, model in (("even_share", off), ("in_order", on)):
+        for name, model in reversed(list(models.items())):
             start = time.perf_counter()
             simulate(scn, cost_model=model)
             times[name].append(time.perf_counter() - start)
-    ratio = statistics.median(a / b for a, b in zip(times["in_order"], times["even_share"]))
-    shown = {k: ", ".join(f"{t:.2f}" for t in v) for k, v in times.items()}
-    print(f"\ndecode tail A/B ({repeats}x alternated): in order {shown['in_order']} s, even share "
-          f"{shown['even_share']} s; median ratio {ratio:.2f}")
+    first, second = models
+    ratio = statistics.median(a / b for a, b in zip(times[first], times[second]))
+    shown = ", ".join(f"{name} {', '.join(f'{t:.2f}' for t in v)} s" for name, v in times.items())
+    print(f"\n{label} A/B ({repeats}x alternated): {shown}; median ratio {ratio:.2f}")
     return {"seconds": times, "median_ratio": ratio}
+
+
+def tail_ab(scenario: Path, repeats: int) -> dict:
+    """The decode tail in launch order against the even-share tail (the earlier way)."""
+    import dataclasses
+    from simkv.costmodel import load_cost_model
+    scn = _ab_scenario(scenario, gpu_clock="fixed")
+    on = load_cost_model(scn)
+    off = load_cost_model(scn)
+    off.layout = dataclasses.replace(off.layout, decode_tail_in_order=False)
+    return _ab("decode tail", scn, {"in_order": on, "even_share": off}, repeats)
+
+
+def clock_ab(scenario: Path, repeats: int) -> dict:
+    """The profiled model under the GPU's clock state against the clock fixed."""
+    from simkv.costmodel import load_cost_model
+    scn = _ab_scenario(scenario)
+    fixed = load_cost_model(_ab_scenario(scenario, gpu_clock="fixed"))
+    return _ab("clock state", scn, {"clock": load_cost_model(scn), "fixed": fixed}, repeats)
 
 
 def main() -> None:
@@ -113,6 +133,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--tail-ab", type=int, default=0, metavar="N",
                     help="also time the decode tail in order against the even-share tail")
+    ap.add_argument("--clock-ab", type=int, default=0, metavar="N",
+                    help="also time the GPU clock-state model against the clock fixed")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     if not TRACE.exists():
@@ -127,9 +149,11 @@ def main() -> None:
               f"({best['num_steps'] / best['wall_s']:.0f} steps/s) on {platform.processor() or platform.machine()}")
         shares = profile_components(scenario) if args.profile else None
         ab = tail_ab(scenario, args.tail_ab) if args.tail_ab else None
+        clock = clock_ab(scenario, args.clock_ab) if args.clock_ab else None
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "median_speedup": median,
                                          "profile_shares": shares, "tail_ab": ab,
+                                         "clock_ab": clock,
                                          "python": platform.python_version(),
                                          "machine": platform.machine(),
                                          "command": " ".join(sys.argv)}, indent=2) + "\n")
