@@ -31,9 +31,7 @@ nvidia-smi logs the SM clock, power and throttle reasons every 100 ms (smi.csv; 
 """
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,14 +69,10 @@ LIGHT = ("decode/b64/c1024", "decode/b256/c1024", "decode/lognormal/b128")
 
 def main() -> None:
     import pandas as pd
-    from simkv.core.specs import load_model
-    from simkv.gpu.profiler import _plan, _tokens, profiling_executor
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--num-blocks", type=int, default=40_000)
+    from _probe import probe_executor, probe_parser
+    from simkv.gpu.host import nvidia_smi_log
+    from simkv.gpu.profiler import _plan
+    parser = probe_parser(__doc__)
     parser.add_argument("--phases", default=",".join(PHASES))
     args = parser.parse_args()
     phases = args.phases.split(",")
@@ -86,22 +80,13 @@ def main() -> None:
         raise SystemExit(f"--phases: {args.phases!r}: choose from {','.join(PHASES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        smi = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,"
-             "clocks_throttle_reasons.active", "--format=csv,nounits", "-lms", "100"],
-            stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
-    except OSError:
-        smi = None
     rows = []
-    try:
-        rng = np.random.default_rng(0)
+    with nvidia_smi_log(out / "smi.csv"):
         from simkv.gpu.profile_design import MAX_CACHED_TOKENS
         num_blocks = args.num_blocks
         if "profile" in phases:          # the design's largest composition, and ours beside it
             num_blocks = max(num_blocks, MAX_CACHED_TOKENS // BLOCK_SIZE + 2 * 256 + 64)
-        ex = profiling_executor(load_model(args.model), num_blocks, BLOCK_SIZE, args.device)
-        tokens = _tokens(ex, rng)
+        out, rng, ex, tokens = probe_executor(args, BLOCK_SIZE, num_blocks)
         comps = compositions(rng)
         perm = rng.permutation(ex.num_blocks)
         plans = {name: _plan(items, BLOCK_SIZE, perm, tokens) for name, items in comps.items()}
@@ -174,10 +159,6 @@ def main() -> None:
             grid = profile_block_size(ex, points, rng, 5, print)
             pd.DataFrame(grid).assign(start_s=start, end_s=round(time.perf_counter() - t0, 6)) \
                 .to_csv(out / "profile_state.csv", index=False)
-    finally:
-        if smi is not None:
-            smi.terminate()
-            smi.wait()
     if "self" not in phases:
         return
     df = pd.DataFrame(rows)

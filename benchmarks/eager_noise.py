@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ def main() -> None:
     from simkv.core.specs import load_model
     from simkv.gpu.profile_design import design
     from simkv.gpu.executor import GpuExecutor
+    from simkv.gpu.host import nvidia_smi_log
     from simkv.gpu.profiler import _plan, _tokens
 
     parser = argparse.ArgumentParser()
@@ -63,14 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        smi = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,"
-             "utilization.gpu", "--format=csv,nounits", "-lms", "100"],
-            stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
-    except OSError:
-        smi = None
-    try:
+    with nvidia_smi_log(out / "smi.csv", "timestamp,clocks.sm,power.draw,temperature.gpu,"
+                        "utilization.gpu"):
         points = {p.id: p for p in design()}
         ex = GpuExecutor(load_model(args.model), 20_000, args.block_size, device="cuda",
                          max_num_seqs=256, max_num_batched_tokens=EAGER_ABOVE,
@@ -123,10 +117,6 @@ def main() -> None:
                     run(condition, pid, rep)
                     ex.execute(plans[BIG])
             os.sched_setaffinity(0, cpus)
-    finally:
-        if smi is not None:
-            smi.terminate()
-            smi.wait()
     df = pd.DataFrame(rows)
     df.to_csv(out / "steps.csv", index=False)
     q = df.groupby(["condition", "id"], sort=False).agg(

@@ -22,8 +22,6 @@ condition, relative to the profile's condition (random, hot).
 """
 from __future__ import annotations
 
-import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,29 +48,14 @@ def compositions(rng) -> dict:
 
 def main() -> None:
     import pandas as pd
-    from simkv.core.specs import load_model
-    from simkv.gpu.profiler import _plan, _tokens, profiling_executor
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--reps", type=int, default=12)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--num-blocks", type=int, default=40_000)
-    args = parser.parse_args()
+    from _probe import probe_executor, probe_parser
+    from simkv.gpu.host import nvidia_smi_log
+    from simkv.gpu.profiler import _plan
+    args = probe_parser(__doc__).parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        smi = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-             "--format=csv,nounits", "-lms", "100"],
-            stdout=open(out / "smi.csv", "w"), stderr=subprocess.DEVNULL)
-    except OSError:
-        smi = None
-    try:
-        rng = np.random.default_rng(0)
-        ex = profiling_executor(load_model(args.model), args.num_blocks, BLOCK_SIZE, args.device)
-        tokens = _tokens(ex, rng)
+    with nvidia_smi_log(out / "smi.csv"):
+        out, rng, ex, tokens = probe_executor(args, BLOCK_SIZE)
         comps = compositions(rng)
         need = max(sum(-(-(s + n) // BLOCK_SIZE) for s, n, _ in items) for items in comps.values())
         if need > ex.num_blocks:
@@ -98,10 +81,6 @@ def main() -> None:
                     rows.append({"composition": name, "layout": lay, "state": state, "rep": rep,
                                  "unix_s": time.time(), "time_s": ex.last_gpu_s})
             pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-    finally:
-        if smi is not None:
-            smi.terminate()
-            smi.wait()
     df = pd.DataFrame(rows)
     med = df.groupby(["composition", "layout", "state"])["time_s"].median().unstack(["layout",
                                                                                        "state"])

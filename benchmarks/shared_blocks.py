@@ -17,12 +17,10 @@ unshared batch of the same size and context.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,21 +47,9 @@ def batch(b: int, ctx: int, group: int, spread: bool, perm, tokens):
 
 def main() -> None:
     import pandas as pd
-    from simkv.core.specs import load_model
-    from simkv.gpu.profiler import _tokens, profiling_executor
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--reps", type=int, default=12)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--num-blocks", type=int, default=40_000)
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    ex = profiling_executor(load_model(args.model), args.num_blocks, BLOCK_SIZE, args.device)
-    tokens = _tokens(ex, rng)
+    from _probe import probe_executor, probe_parser
+    args = probe_parser(__doc__).parse_args()
+    out, rng, ex, tokens = probe_executor(args, BLOCK_SIZE)
     cases = {}
     for b, ctx in ((64, 1024), (64, 4096), (128, 2048), (256, 1024)):
         for group, spread in ((1, False), (2, False), (2, True), (8, False), (8, True),

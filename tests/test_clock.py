@@ -143,14 +143,19 @@ def test_an_unknown_gpu_clock_setting_is_refused():
         scenario(gpu_clock="slow")
 
 
+def long_prompts(num_requests: int, rate: float, prompt: int, output: int):
+    """Quickstart with fixed prompt and output lengths."""
+    return load_scenario(ROOT / "scenarios" / "quickstart.yaml", {
+        "workload.synthetic.num_requests": num_requests,
+        "workload.synthetic.arrival.rate": rate,
+        "workload.synthetic.prompt_tokens": {"dist": "fixed", "value": prompt},
+        "workload.synthetic.output_tokens": {"dist": "fixed", "value": output}})
+
+
 def test_a_second_simulation_with_one_clocked_model_starts_on_a_rested_gpu():
     from simkv.sim.engine import simulate
     # long prompts, one output token: the run ends on a prefill, with the clock down
-    scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
-                        {"workload.synthetic.num_requests": 12,
-                         "workload.synthetic.arrival.rate": 100.0,
-                         "workload.synthetic.prompt_tokens": {"dist": "fixed", "value": 6000},
-                         "workload.synthetic.output_tokens": {"dist": "fixed", "value": 1}})
+    scn = long_prompts(12, 100.0, 6000, 1)
     model = load_cost_model(scn)
     first = simulate(scn, cost_model=model).summary
     assert model.state.mhz < model.clock.max_mhz
@@ -161,11 +166,7 @@ def test_a_second_simulation_with_one_clocked_model_starts_on_a_rested_gpu():
 def test_long_prompts_arriving_apart_prefill_faster_than_the_profile_timed_them():
     # each prefill starts on a rested GPU: near full clock, not at its settling clock
     from simkv.sim.engine import simulate
-    scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml",
-                        {"workload.synthetic.num_requests": 10,
-                         "workload.synthetic.arrival.rate": 0.5,
-                         "workload.synthetic.prompt_tokens": {"dist": "fixed", "value": 4000},
-                         "workload.synthetic.output_tokens": {"dist": "fixed", "value": 4}})
+    scn = long_prompts(10, 0.5, 4000, 4)
     clocked_ttft = simulate(scn).summary["ttft_s"]["mean"]
     fixed = load_scenario(scn.raw, {"gpu_clock": "fixed"})
     fixed_ttft = simulate(fixed).summary["ttft_s"]["mean"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import subprocess
 
 from simkv.errors import InputError
 
@@ -81,3 +82,32 @@ def host_conditions() -> dict:
     return {"pinned_cpu": cpus[0] if len(cpus) == 1 else None,     # or a one-CPU container
             "cpus_allowed": len(cpus) or os.cpu_count(),
             "gc": "collection held off inside each step; the heap alive before a run frozen"}
+
+
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+@contextlib.contextmanager
+def nvidia_smi_log(path, fields: str = SMI_FIELDS, interval_ms: int = 100):
+    """Log nvidia-smi's `fields` to the CSV `path` every `interval_ms` while the block runs
+    (nothing where nvidia-smi is absent); stopped on any exit."""
+    try:
+        out = open(path, "w")
+    except OSError:
+        out = None
+    smi = None
+    if out is not None:
+        try:
+            smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,nounits",
+                                    "-lms", str(interval_ms)], stdout=out,
+                                   stderr=subprocess.DEVNULL)
+        except OSError:
+            smi = None
+    try:
+        yield
+    finally:
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+        if out is not None:
+            out.close()
