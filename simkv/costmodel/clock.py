@@ -1,9 +1,9 @@
 """The GPU's clock under its power cap: a state that step times depend on.
 
-Measured on the H200 (`benchmarks/clock_probe.py`, profiles/h200/llama-3.1-8b/probes/clock/): run
-back to back, a composition settles at an SM clock that falls with the FLOP rate it runs at
+Measured on the H200 (`benchmarks/clock_probe.py`, profiles/h200/llama-3.1-8b/probes/clock*/):
+run back to back, a composition settles at an SM clock that falls with the FLOP rate it runs at
 (decode batches of up to 128 sequences stay at 1,980 MHz; prefill chunks of 1-8k tokens, at
-550-630 TFLOP/s, settle near 1,570-1,670 MHz at the 700 W cap), and the clock follows a change
+550-630 TFLOP/s, settle near 1,540-1,670 MHz at the 700 W cap), and the clock follows a change
 of work within tens of milliseconds. A step's time at clock f is
 
     t(f) = t_full * (1 + s * (f_max / f - 1))

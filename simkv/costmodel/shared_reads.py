@@ -12,15 +12,17 @@ fits the share of a read from HBM that each repeated read saves:
 
     saving(b, ctx, g) = t(unshared) - t(shared) = s * a_dec(b) * repeated_tokens
 
-with a_dec(b) the profile's per-token decode cost at batch b and repeated_tokens the context
-tokens in blocks that another sequence of the batch also holds (forks: the members of a group
-sit next to each other in the batch, as the scheduler places a request's samples). Only the
+with a_dec(b) the profile's per-token decode cost at batch b and repeated_tokens the repeated
+reads: (holders - 1) x block_size summed over the blocks several tables of the batch hold (the
+members of a group sit next to each other in the batch, as the scheduler places a request's
+samples). Only the
 adjacent groups are fitted; groups spread over the batch are reported apart (pairs half a
 batch apart lose most of the saving: the model does not see placement).
 
 The result goes to `shared_reads.json` beside the profile's fit.json; the profiled model then
 charges decode reads as `decode_context_tokens - s * decode_shared_context_tokens` (the
-scheduler counts the latter from the KV manager's shared references).
+scheduler counts the latter from the KV manager's references beyond the first, over every
+running table: exact when every holder decodes, as forked samples do).
 """
 from __future__ import annotations
 
