@@ -342,6 +342,7 @@ def test_quick_profile_runs_on_cpu_and_fits(tmp_path):
     steps = pd.read_csv(out / "steps.csv")
     assert set(steps["family"]) == {"decode", "prefill", "mixed"}
     assert (steps["time_s"] > 0).all()
+    assert (steps["rested_s"] > 0).all()          # each composition again after a rest
     meta = json.loads((out / "meta.json").read_text())
     assert meta["model"] == "tiny" and meta["torch"] == torch.__version__
     fit = F.fit_profile(out)

@@ -1,7 +1,8 @@
 """The profiling pass: the real executor over a designed grid of step compositions.
 
     python -m simkv.gpu.profiler --model llama-3.1-8b [--block-sizes 8,16,32,64,128] [--out DIR]
-        [--parts steps,transfers,ledger,host_noise] [--time-budget-s S] [--quick] [--fit]
+        [--parts steps,rested,transfers,ledger,host_noise,engine] [--time-budget-s S] [--quick]
+        [--fit]
 
 For each block size a fresh `GpuExecutor` (sample model, paged Triton kernels, CUDA graphs for
 decode-only steps as the engine runs them) executes synthetic StepPlans:
@@ -13,8 +14,10 @@ decode-only steps as the engine runs them) executes synthetic StepPlans:
 
 The step grid runs a warm-up round over the whole design, then `reps` rounds (at most 3 for
 steps over 50 ms), interleaved so that each composition is timed after different ones, as in
-serving; the step time is the median of the executor's own CUDA-event span (`last_gpu_s`: host input building, the forward, sampling and the
-copy of the sampled tokens back, as in the engine). Block tables are random permutations of the
+serving; the step time is the median of the executor's own CUDA-event span (`last_gpu_s`: host
+input building, the forward, sampling and the copy of the sampled tokens back, as in the
+engine). With the `rested` part, each composition is timed again after a short idle, at the
+clock of light work (`rested_s`; not yet used by the fit). Block tables are random permutations of the
 pool, whose K/V are random (never zeros). At block size 16 the profiler also measures the memory
 ledger (weights, activation peak against batched tokens, CUDA-graph pool and everything else)
 and repeats a few steps as they are and pinned to one CPU (host_noise.csv).
@@ -115,14 +118,20 @@ def _summary(times: list, walls: list) -> dict:
             "reps": len(times)}
 
 
-def profile_block_size(executor, points, rng, reps: int, log) -> list:
+def profile_block_size(executor, points, rng, reps: int, log, rested: bool = False) -> list:
     """Time every composition on one executor; rows for steps.csv.
 
     The repetitions are interleaved: a warm-up round over the whole design, then `reps` timed
     rounds (at most 3 for steps over LONG_STEP_S). A slow spell of the host, or a GPU clock
     state that one kind of step drives (sustained prefills run the SMs hot and slower), then
     shifts one repetition of many compositions instead of every repetition of a few, and each
-    composition is timed after a different one, as steps follow each other in serving."""
+    composition is timed after a different one, as steps follow each other in serving.
+
+    `rested`: then each composition again after REST_S of idle, RESTED_STEPS steps back to back,
+    the fastest as `rested_s`: its time at the clock of light work (a heavy composition's first
+    step, before the power cap pulls the clock down). The grid's `time_s` is at the clock the
+    interleaved grid holds the GPU at, which the GPUs of different leases share, while their
+    light-work speed differs (docs/validation.md)."""
     bs = executor.block_size
     tokens = _tokens(executor, rng)
     plans, graphed = [], []
@@ -143,15 +152,32 @@ def profile_block_size(executor, points, rng, reps: int, log) -> list:
                 executor.execute(plan)
                 walls[i].append(time.perf_counter() - t0)
                 times[i].append(executor.last_gpu_s)
+        rested_s = [_rested_seconds(executor, plan) for plan in plans] if rested else None
     rows = []
     for i, point in enumerate(points):
         row = {"id": point.id, "family": point.family, "block_size": bs,
                **features(point.items), "graph": graphed[i]}
         row.update({k: (six_digits(v) if isinstance(v, float) else v)
                     for k, v in _summary(times[i], walls[i]).items()})
+        if rested:
+            row["rested_s"] = six_digits(rested_s[i])
         rows.append(row)
     log(f"  block size {bs}: {len(rows)} compositions")
     return rows
+
+
+REST_S = 0.1            # the clock is back at its top within tens of ms of idle (clock probe)
+RESTED_STEPS = 3
+
+
+def _rested_seconds(executor, plan) -> float:
+    """The fastest of RESTED_STEPS steps back to back after REST_S of idle."""
+    time.sleep(REST_S)
+    times = []
+    for _ in range(RESTED_STEPS):
+        executor.execute(plan)
+        times.append(executor.last_gpu_s)
+    return min(times)
 
 
 def profile_transfers(executor, rng, reps: int, max_bytes: float, log) -> tuple:
@@ -345,7 +371,7 @@ def _write_csv(path: Path, rows: list, fields: list) -> None:
 # The pass
 
 
-PARTS = ("steps", "transfers", "ledger", "host_noise", "engine")
+PARTS = ("steps", "rested", "transfers", "ledger", "host_noise", "engine")
 NOISE_IDS = ("prefill/1x16+p0", "prefill/1x512+p0", "mixed/d32c1024/1x64+p0",
              "mixed/d128c1024/1x512+p2048", "decode/b64/c512")
 LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
@@ -357,7 +383,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
                 pin_cpu: int | None = None) -> Path:
     """Profile `model_name` (bundled name or config path) and write the raw data; returns the dir.
 
-    `parts`: any of "steps" (the step grid, every block size), "transfers" (swaps and copies,
+    `parts`: any of "steps" (the step grid, every block size), "rested" (with "steps": each
+    composition again after a rest, `rested_s`), "transfers" (swaps and copies,
     every block size), "ledger" and "host_noise" (CUDA only, at block size 16). `quick`: the CI
     smoke test (a handful of tiny compositions; use it with the `tiny` model on CPU, float64
     and the reference attention). Default out_dir: profiles/<gpu>/<model>/. The files are
@@ -413,7 +440,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
             tile = kernels.decode_config(bs, model.head_dim, dtype).tile
             prefill_tile = kernels.prefill_config(model.head_dim, dtype).block_m
         if "steps" in parts:
-            data["steps"] += profile_block_size(executor, points, rng, reps, log)
+            data["steps"] += profile_block_size(executor, points, rng, reps, log,
+                                                rested="rested" in parts)
         if "transfers" in parts:
             s, c = profile_transfers(executor, rng, reps, 64 * 2**20 if quick else GIB, log)
             data["swaps"] += s
@@ -495,7 +523,8 @@ def _write(out: Path, meta: dict, data: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     parts = meta.get("parts", PARTS)
     if "steps" in parts:
-        _write_csv(out / "steps.csv", data["steps"], STEP_FIELDS)
+        rested = ["rested_s"] if any("rested_s" in row for row in data["steps"]) else []
+        _write_csv(out / "steps.csv", data["steps"], STEP_FIELDS + rested)
     if "transfers" in parts:
         _write_csv(out / "swap.csv", data["swaps"], ["direction"] + TRANSFER_FIELDS)
         _write_csv(out / "copy.csv", data["copies"], TRANSFER_FIELDS)
