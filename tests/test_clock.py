@@ -13,7 +13,7 @@ from simkv.costmodel.clock import (CLOCK_FILE, ClockedCostModel, ClockModel, Clo
                                    step_flops)
 from simkv.costmodel.profiled import ProfiledCostModel
 from simkv.errors import InputError
-from tests.test_profiled_costmodel import plan_of, write_fit
+from tests.test_profiled_costmodel import coefs, plan_of, write_fit
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "profiles" / "h200" / "llama-3.1-8b"
@@ -108,6 +108,17 @@ def test_the_clocked_model_keeps_the_profiles_other_terms_and_names_itself(tmp_p
     assert model.block_size == 16                     # the profile's attributes show through
     assert model.describe()["clock"]["sensitivity"] == 0.5
     assert pickle.loads(pickle.dumps(model)).name == model.name
+
+
+def test_with_a_rested_fit_full_clock_times_are_its_forward_times(tmp_path):
+    inner = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
+    rested = ProfiledCostModel.load(write_fit(tmp_path, step={
+        "16": coefs(0.5), "64": coefs(1.0)}), block_size=16)     # half the profiled times
+    model = ClockedCostModel(inner, CLOCK, load_model("llama-3.1-8b"), rested=rested)
+    plan = plan_of([(99, 1, True)])                    # light: runs at full clock after idle
+    assert model.predict(plan) == pytest.approx(rested.forward_seconds(plan)
+                                                + inner.around_seconds(plan))
+    assert model.describe()["clock"]["full_clock_times"] == "the profile's rested fit"
 
 
 def write_clock(directory: Path, **params) -> Path:

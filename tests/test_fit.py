@@ -370,3 +370,27 @@ def test_simkv_fit_on_a_missing_directory_exits_2_with_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1
+
+
+def test_a_profile_with_rested_times_gets_a_second_step_model_fitted_on_them(tmp_path):
+    from simkv.costmodel.profiled import ProfiledCostModel
+    from tests.test_profiled_costmodel import plan_of
+    prof = synthetic_profile(tmp_path)
+    steps = pd.read_csv(prof / "steps.csv")
+    steps["rested_s"] = steps["time_s"] * 0.9          # everything 10% faster at rest
+    steps.to_csv(prof / "steps.csv", index=False)
+    fit = F.fit_profile(prof)
+    assert "rested" in fit and fit["rested"]["holdout_error"]["median"] < 0.01
+    model = ProfiledCostModel.load(prof / "fit.json", block_size=16)
+    rested = model.rested()
+    for items in ([(1023, 1, True)] * 8, [(0, 512, False)], [(0, 256, False), (511, 1, True)]):
+        plan = plan_of(items)
+        assert rested.forward_seconds(plan) == pytest.approx(0.9 * model.forward_seconds(plan),
+                                                             rel=0.02)
+
+
+def test_a_profile_without_rested_times_has_no_rested_model(tmp_path):
+    from simkv.costmodel.profiled import ProfiledCostModel
+    F.fit_profile(synthetic_profile(tmp_path))
+    model = ProfiledCostModel.load(tmp_path / "h200" / "llama-3.1-8b" / "fit.json")
+    assert "rested" not in model.fit and model.rested() is None

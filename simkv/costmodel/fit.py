@@ -546,6 +546,10 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     }
 
 
+RESTED_NOTE = ("the step model fitted the same way on steps.csv's rested_s (each composition "
+               "after a rest: the light-work clock); the clock-state model takes full-clock "
+               "times from it")
+
 ENGINE_COLUMNS = ("num_seqs", "num_prefill_tokens", "outside_s")
 
 
@@ -600,6 +604,10 @@ def fit_profile(profile_dir, out=None) -> dict:
            "source": {"dir": profile_dir.name, "steps_rows": int(len(steps)),
                       "profiled": meta.get("date"), "command": meta.get("command")}}
     fit.update(fit_steps(steps, meta))
+    if "rested_s" in steps.columns:
+        rested = pd.to_numeric(steps["rested_s"], errors="coerce")
+        if rested.notna().all() and (rested > 0).all():
+            fit["rested"] = dict(fit_steps(steps.assign(time_s=rested), meta), note=RESTED_NOTE)
     for key in ("model_shape", "kv_bytes_per_token"):
         if key in meta:
             fit[key] = meta[key]

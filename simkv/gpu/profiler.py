@@ -17,7 +17,7 @@ steps over 50 ms), interleaved so that each composition is timed after different
 serving; the step time is the median of the executor's own CUDA-event span (`last_gpu_s`: host
 input building, the forward, sampling and the copy of the sampled tokens back, as in the
 engine). With the `rested` part, each composition is timed again after a short idle, at the
-clock of light work (`rested_s`; not yet used by the fit). Block tables are random permutations of the
+clock of light work (`rested_s`; `simkv fit` fits it as `rested`). Block tables are random permutations of the
 pool, whose K/V are random (never zeros). At block size 16 the profiler also measures the memory
 ledger (weights, activation peak against batched tokens, CUDA-graph pool and everything else)
 and repeats a few steps as they are and pinned to one CPU (host_noise.csv).
