@@ -107,3 +107,16 @@ def test_a_probe_without_the_unshared_batch_names_what_is_missing(tmp_path):
                                         "64,1024,2,False,0.007\n")
     with pytest.raises(InputError, match="no unshared batch .group 1. of batch 64, context 1024"):
         fit_shared_reads(tmp_path, PROFILE)
+
+
+def test_a_decode_beside_prefills_that_share_a_prefix_among_themselves_repeats_nothing():
+    # two prompts with the same 32-token prefix are prefilled while an unrelated one decodes
+    sched = make_scheduler()
+    sched.add_request(scheduler_request(0, 20, 5))
+    step(sched)                                        # request 0 prefilled
+    sched.add_request(scheduler_request(1, 48, 5, ids=(7, 8, 9)))
+    sched.add_request(scheduler_request(2, 48, 5, ids=(7, 8, 10)))
+    plan = step(sched)
+    assert [it.is_decode for it in plan.scheduled].count(True) == 1
+    assert sched.kv.num_shared_block_refs == 2           # the prefix, held twice
+    assert plan.decode_shared_context_tokens == 0

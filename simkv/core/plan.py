@@ -40,8 +40,8 @@ class StepPlan:
     decode_context_tokens: int = 0      # sum of decode sequences' context lengths
     decode_max_context: int = 0         # the longest decode context (the kernel's busiest program)
     decode_shared_context_tokens: int = 0   # repeated reads: (holders - 1) x block_size summed
-    # over the blocks held by several tables (the KV manager's count over every running
-    # sequence, capped at decode_context_tokens; exact when all holders decode, as n > 1 samples)
+    # over the blocks several decode tables hold (the KV manager's count over every table, less
+    # the step's prefill chunks' shares; running sequences left out of the step still count)
     prefill_context_tokens: int = 0     # sum of prefill chunks' context lengths after the step
     prefill_attention_pairs: int = 0    # query-key pairs of prefill attention (causal)
     # memory operations the executor performs before the forward

@@ -330,9 +330,15 @@ class Scheduler:
         plan.num_decode_tokens = decode_tokens
         plan.num_prefill_seqs = prefill_seqs
         plan.decode_context_tokens = decode_ctx
-        if decode_ctx:
-            plan.decode_shared_context_tokens = min(
-                decode_ctx, self.kv.num_shared_block_refs * self.kv.block_size)
+        shared = self.kv.num_shared_block_refs if decode_ctx else 0
+        if shared:
+            # repeats among the decodes: those of the step's prefill chunks' tables taken out
+            # (each such table holding a shared block is one holder fewer there)
+            for item in plan.scheduled:
+                if not item.is_decode:
+                    shared -= self.kv.shared_blocks_of(item.seq)
+            plan.decode_shared_context_tokens = min(decode_ctx,
+                                                    max(0, shared) * self.kv.block_size)
         plan.prefill_context_tokens = prefill_ctx
         plan.prefill_attention_pairs = pairs
         if self.kv.copies:

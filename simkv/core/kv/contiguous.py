@@ -44,6 +44,9 @@ class ContiguousKVCacheManager:
     num_cached_free_blocks = 0
     num_shared_block_refs = 0        # every sequence has its own range
 
+    def shared_blocks_of(self, seq) -> int:
+        return 0
+
     def seq_slots(self, seq: Sequence) -> int:
         res = self.reservations.get(seq.seq_id)
         return res[1] * self.block_size if res else 0

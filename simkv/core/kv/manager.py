@@ -63,6 +63,11 @@ class PagedKVCacheManager:
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
 
+    def shared_blocks_of(self, seq) -> int:
+        """How many blocks of `seq`'s table another table holds too."""
+        ref_cnt = self.pool.ref_cnt
+        return sum(1 for b in seq.block_table if ref_cnt[b] > 1)
+
     @property
     def num_shared_block_refs(self) -> int:
         """Device-block references beyond the first, over every table that holds blocks (forks,
