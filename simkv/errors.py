@@ -20,8 +20,10 @@ def read_json_object(path, missing: str) -> dict:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise InputError(f"{path}: no such file ({missing})") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -8,14 +8,13 @@ when one exists (`source: "profile"`), else from the estimate below (`source: "e
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
 from simkv.core.specs import GpuSpec, ModelSpec, profiles_dir
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 if TYPE_CHECKING:  # config imports this module when it validates a scenario
     from simkv.core.config import CacheConfig, SchedulerConfig
@@ -45,7 +44,8 @@ HIDDEN_SIZED_TENSORS = 4
 # (the measured peaks show no logits term; the first estimate added two copies and was 13-23%
 # high in total).
 LOGITS_DTYPE_BYTES = 4
-# Everything else the runtime holds outside the PyTorch tensors above, about 1.5 GiB in total:
+# Everything else the runtime holds outside the PyTorch tensors above, 3.19 GiB in all at the
+# default scheduler settings (estimate; measured 3.81 GiB on the 8B, 3.15 GiB on the 1B):
 # - memory outside PyTorch: CUDA context, cuBLAS handles and workspaces, Triton modules
 #   (measured 761-767 MiB on the H200, not the 512 MiB first assumed);
 # - the CUDA-graph memory pool (`estimate_graph_pool_bytes`);
@@ -165,12 +165,9 @@ def read_profile_ledger(model: ModelSpec, gpu: GpuSpec) -> Optional[dict[str, An
     path = profiles_dir() / gpu.name / model.name / "ledger.json"
     if not path.is_file():
         return None
-    try:
-        ledger = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    ledger = read_json_object(path, "written by `simkv profile`")
     for key in PROFILE_LEDGER_KEYS:
-        value = ledger.get(key) if isinstance(ledger, dict) else None
+        value = ledger.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise InputError(f"{path}: '{key}' must be a non-negative number, got {value!r}")
     ledger["path"] = str(path)

@@ -7,7 +7,6 @@ file and the field.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 import simkv
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -228,10 +227,7 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
 
 
 def _read_model(path: Path, name: Optional[str] = None) -> ModelSpec:
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    config = read_json_object(path, "an HF config.json")
     return model_from_config(config, path, name=name)
 
 

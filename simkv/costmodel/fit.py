@@ -54,7 +54,7 @@ import pandas as pd
 
 from simkv.costmodel.step_formula import (BATCH_KNOTS, FORMS, LOG_BATCH_KNOTS, StepLayout,
                                           hats, layout_from_meta, predict_step)
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 FIT_FORMAT = "simkv-fit/1"
 STEP_COLUMNS = (
@@ -202,10 +202,7 @@ def read_meta(profile_dir: Path) -> dict:
     path = Path(profile_dir) / "meta.json"
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    return read_json_object(path, "written by `simkv profile`")
 
 
 def holdout_mask(steps: pd.DataFrame) -> np.ndarray:
