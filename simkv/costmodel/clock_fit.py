@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from simkv.costmodel.clock import CLOCK_FORMAT, ClockModel, ClockState, step_flops
-from simkv.errors import InputError
+from simkv.errors import InputError, read_json_object
 
 SENSITIVITIES = tuple(float(x) for x in np.round(np.arange(0.10, 0.71, 0.05), 2))
 TAUS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
@@ -48,8 +48,8 @@ FITTED_PHASES = ("self", "recover", "recover_idle")
 def read_probe(probe_dir: Path) -> tuple:
     """(steps, smi, meta) of a clock probe; smi's `t_s` on the steps' clock."""
     probe_dir = Path(probe_dir)
+    meta = read_json_object(probe_dir / "meta.json", "written by benchmarks/clock_probe.py")
     try:
-        meta = json.loads((probe_dir / "meta.json").read_text())
         steps = pd.read_csv(probe_dir / "steps.csv")
         smi = pd.read_csv(probe_dir / "smi.csv", skipinitialspace=True)
     except (OSError, ValueError) as e:
@@ -61,7 +61,7 @@ def read_probe(probe_dir: Path) -> tuple:
     clock_column = [c for c in smi.columns if c.startswith("clocks") and c.endswith(".sm")]
     if "timestamp" not in smi or not clock_column:
         raise InputError(f"{probe_dir}/smi.csv: needs nvidia-smi's timestamp and clocks.sm")
-    if not isinstance(meta, dict) or not isinstance(meta.get("t0_unix"), (int, float)) \
+    if not isinstance(meta.get("t0_unix"), (int, float)) \
             or not isinstance(meta.get("compositions"), dict):
         raise InputError(f"{probe_dir}/meta.json: needs t0_unix and compositions "
                          "(written by benchmarks/clock_probe.py)")

@@ -337,11 +337,9 @@ class ProfiledCostModel:
         seconds = self._linear_cache.get(rows)
         if seconds is None:
             seconds = self._linear_cache[rows] = self._linear(rows)
-        if decodes:
-            shared = getattr(plan, "decode_shared_context_tokens", 0) \
-                if self._shared_saving else 0
-            seconds += self.decode_token_seconds(decodes) * (
-                decode_context - self._shared_saving * shared if shared else decode_context)
+        if decodes:          # repeated reads of shared blocks save part of a read each
+            seconds += self.decode_token_seconds(decodes) * (decode_context - self._shared_saving
+                                                            * plan.decode_shared_context_tokens)
         if self._a_long and decodes:
             if contexts is None and (layout.decode_tail_in_order or not longest):
                 contexts = [s.start + 1 for s in plan.scheduled]     # every item is a decode
