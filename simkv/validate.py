@@ -26,7 +26,7 @@ travels with the repo, and `load_validation_scenario(path, data_dir)` reads it i
     python -m simkv.validate measure SCENARIO... --data .valdata --out results/validation
         [--pin-cpu N] [--no-trace]
     python -m simkv.validate compare SCENARIO --measured results/validation/NAME [--out JSON]
-        [--cost-model FIT_JSON]
+        [--cost-model FIT_JSON] [--gpu-clock auto|fixed]
 """
 from __future__ import annotations
 
@@ -106,10 +106,13 @@ def main(argv=None) -> int:
     p.add_argument("--cost-model", default=None, help="the scenario's cost_model instead "
                    "(auto | profile | roofline | a fit.json, e.g. a profile measured beside "
                    "this measurement)")
+    p.add_argument("--gpu-clock", default=None, choices=("auto", "fixed"),
+                   help="the scenario's gpu_clock instead (fixed: no clock-state model)")
     args = parser.parse_args(argv)
-    if args.verb == "compare" and args.cost_model is not None and args.out is None:
-        parser.error("--cost-model needs --out (the default path holds the comparison with "
-                     "the scenario's own cost model)")
+    if args.verb == "compare" and args.out is None \
+            and (args.cost_model is not None or args.gpu_clock is not None):
+        parser.error("--cost-model and --gpu-clock need --out (the default path holds the "
+                     "comparison with the scenario's own cost model)")
     try:
         if args.verb == "prepare":
             for path in args.scenarios:
@@ -120,12 +123,17 @@ def main(argv=None) -> int:
                          pin_cpu=args.pin_cpu)
         else:
             scn = load_validation_scenario(args.scenario)
+            overrides = {}
             if args.cost_model is not None:
-                from simkv.core.config import with_overrides
                 choice = args.cost_model      # a path is taken from the working directory
                 if choice not in ("auto", "profile", "roofline"):
                     choice = str(Path(choice).resolve())
-                scn = with_overrides(scn, {"cost_model": choice})
+                overrides["cost_model"] = choice
+            if args.gpu_clock is not None:
+                overrides["gpu_clock"] = args.gpu_clock
+            if overrides:
+                from simkv.core.config import with_overrides
+                scn = with_overrides(scn, overrides)
             result = compare_validation(args.measured, scn, args.out)
             print(format_table([result]))
     except InputError as e:

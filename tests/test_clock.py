@@ -110,15 +110,13 @@ def test_the_clocked_model_keeps_the_profiles_other_terms_and_names_itself(tmp_p
     assert pickle.loads(pickle.dumps(model)).name == model.name
 
 
-def test_with_a_rested_fit_full_clock_times_are_its_forward_times(tmp_path):
-    inner = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
-    rested = ProfiledCostModel.load(write_fit(tmp_path, step={
-        "16": coefs(0.5), "64": coefs(1.0)}), block_size=16)     # half the profiled times
-    model = ClockedCostModel(inner, CLOCK, load_model("llama-3.1-8b"), rested=rested)
-    plan = plan_of([(99, 1, True)])                    # light: runs at full clock after idle
-    assert model.predict(plan) == pytest.approx(rested.forward_seconds(plan)
-                                                + inner.around_seconds(plan))
-    assert model.describe()["clock"]["full_clock_times"] == "the profile's rested fit"
+def test_the_clocked_model_reads_every_profiled_time_at_its_settling_clock(tmp_path):
+    model = clocked(tmp_path)
+    assert model.describe()["clock"]["full_clock_times"] == "profiled times at each settling clock"
+    plan = plan_of([(99, 1, True)])                    # light: its settling clock is the top
+    model.reset()
+    assert model.predict(plan) == pytest.approx(model.inner.forward_seconds(plan)
+                                                + model.inner.around_seconds(plan), rel=1e-6)
 
 
 def write_clock(directory: Path, **params) -> Path:

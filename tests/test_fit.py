@@ -336,7 +336,8 @@ def test_quick_profile_runs_on_cpu_and_fits(tmp_path):
     except ImportError:
         pytest.skip("no GPU executor in this build")
     out = profiler.run_profile("tiny", block_sizes=(16,), out_dir=tmp_path / "p", quick=True,
-                               device="cpu", log=lambda *a: None)
+                               device="cpu", log=lambda *a: None,
+                               parts=profiler.PARTS + profiler.OPTIONAL_PARTS)
     for name in ("steps.csv", "swap.csv", "copy.csv", "meta.json"):
         assert (out / name).is_file()
     steps = pd.read_csv(out / "steps.csv")
@@ -372,25 +373,21 @@ def test_simkv_fit_on_a_missing_directory_exits_2_with_one_line(tmp_path):
     assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1
 
 
-def test_a_profile_with_rested_times_gets_a_second_step_model_fitted_on_them(tmp_path):
+def test_rested_times_are_reported_against_the_grid_and_change_no_model(tmp_path):
     from simkv.costmodel.profiled import ProfiledCostModel
     from tests.test_profiled_costmodel import plan_of
     prof = synthetic_profile(tmp_path)
+    before = F.fit_profile(prof)
     steps = pd.read_csv(prof / "steps.csv")
-    steps["rested_s"] = steps["time_s"] * 0.9          # everything 10% faster at rest
+    steps["rested_s"] = steps["time_s"] * np.where(steps["family"] == "decode", 1.02, 0.9)
+    steps.loc[0, "rested_s"] = float("nan")            # a composition not timed at rest
     steps.to_csv(prof / "steps.csv", index=False)
     fit = F.fit_profile(prof)
-    assert "rested" in fit and fit["rested"]["holdout_error"]["median"] < 0.01
+    ratios = fit["rested_vs_grid"]
+    assert ratios["decode"] == pytest.approx(1.02) and ratios["prefill"] == pytest.approx(0.9)
+    assert ratios["rows_left_out"] == 1 and ratios["rows"] == len(steps) - 1
+    assert fit["step"] == before["step"]               # the step model is the grid's alone
     model = ProfiledCostModel.load(prof / "fit.json", block_size=16)
-    rested = model.rested()
-    for items in ([(1023, 1, True)] * 8, [(0, 512, False)], [(0, 256, False), (511, 1, True)]):
-        plan = plan_of(items)
-        assert rested.forward_seconds(plan) == pytest.approx(0.9 * model.forward_seconds(plan),
-                                                             rel=0.02)
-
-
-def test_a_profile_without_rested_times_has_no_rested_model(tmp_path):
-    from simkv.costmodel.profiled import ProfiledCostModel
-    F.fit_profile(synthetic_profile(tmp_path))
-    model = ProfiledCostModel.load(tmp_path / "h200" / "llama-3.1-8b" / "fit.json")
-    assert "rested" not in model.fit and model.rested() is None
+    assert not hasattr(model, "rested")
+    plan = plan_of([(0, 512, False)])
+    assert model.forward_seconds(plan) > 0

@@ -95,10 +95,11 @@ def test_the_committed_saving_refits_from_its_committed_probe():
 def test_the_bundled_profile_is_simulated_with_its_shared_read_saving():
     from simkv.core.config import load_scenario
     from simkv.costmodel import load_cost_model
+    saving = json.loads((PROFILE / SHARED_READS_FILE).read_text())["saving"]
     scn = load_scenario(ROOT / "scenarios" / "quickstart.yaml")
-    assert load_cost_model(scn).shared_reads["saving"] == pytest.approx(0.473)
+    assert load_cost_model(scn).shared_reads["saving"] == pytest.approx(saving)
     fixed = load_scenario(ROOT / "scenarios" / "quickstart.yaml", {"gpu_clock": "fixed"})
-    assert load_cost_model(fixed).shared_reads["saving"] == pytest.approx(0.473)
+    assert load_cost_model(fixed).shared_reads["saving"] == pytest.approx(saving)
 
 
 def test_a_probe_without_the_unshared_batch_names_what_is_missing(tmp_path):
@@ -120,3 +121,19 @@ def test_a_decode_beside_prefills_that_share_a_prefix_among_themselves_repeats_n
     assert [it.is_decode for it in plan.scheduled].count(True) == 1
     assert sched.kv.num_shared_block_refs == 2           # the prefix, held twice
     assert plan.decode_shared_context_tokens == 0
+
+
+def test_a_running_sequence_left_out_of_a_step_is_not_counted_as_a_decode_holder():
+    # two samples share their prompt's full blocks; in a step that decodes only one of them
+    # (the other left out), that one reads the blocks once: no repeated read
+    from simkv.core.plan import StepPlan
+    sched = make_scheduler()
+    sched.add_request(scheduler_request(0, 40, 5, n=2))
+    step(sched)                                        # prefill, then the fork
+    both = sched.schedule(1.0)
+    decodes = [item for item in both.scheduled if item.is_decode]
+    assert len(decodes) == 2 and both.decode_shared_context_tokens == 2 * BS
+    one = StepPlan(step=both.step, now_s=1.0, scheduled=decodes[:1])
+    sched._finalise(one)
+    assert one.decode_context_tokens == decodes[0].start + 1
+    assert one.decode_shared_context_tokens == 0

@@ -104,10 +104,44 @@ def test_compare_takes_another_cost_model_only_into_a_file_of_its_own(measured, 
     path, out = measured
     with pytest.raises(SystemExit) as e:
         main(["compare", str(path), "--measured", str(out), "--cost-model", "roofline"])
-    assert e.value.code == 2 and "--cost-model needs --out" in capsys.readouterr().err
+    assert e.value.code == 2 and "need --out" in capsys.readouterr().err
     assert main(["compare", str(path), "--measured", str(out), "--cost-model", "roofline",
                  "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["cost_model"].startswith("roofline")
+
+
+def test_compare_with_the_clock_fixed_simulates_the_scenario_so(measured, tmp_path, monkeypatch,
+                                                                capsys):
+    from simkv import validate
+    path, out = measured
+    with pytest.raises(SystemExit) as e:
+        validate.main(["compare", str(path), "--measured", str(out), "--gpu-clock", "fixed"])
+    assert e.value.code == 2 and "need --out" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(validate, "compare_validation",
+                        lambda measured_dir, scn, out: seen.append(scn) or {})
+    monkeypatch.setattr(validate, "format_table", lambda results: "")
+    assert validate.main(["compare", str(path), "--measured", str(out), "--gpu-clock", "fixed",
+                          "--out", str(tmp_path / "f.json")]) == 0
+    assert seen[0].gpu_clock == "fixed"
+
+
+def test_the_served_step_error_weighs_each_step_kind_by_its_time(measured, tmp_path, capsys):
+    from simkv.validation.diagnostics import main, served_step_error
+    path, out = measured
+    result = compare_validation(out, load_validation_scenario(path), tmp_path / "v.json",
+                                plots=False)
+    steps = result["steps"]["realtime"]
+    kinds = [k for k in ("decode_graph", "mixed_graph", "eager") if k in steps]
+    assert kinds and sum(steps[k]["time_fraction"] for k in kinds) == pytest.approx(1.0)
+    expected = sum(steps[k]["time_fraction"] * abs(steps[k]["error_vs_duration_total"])
+                   for k in kinds)
+    assert served_step_error(result) == pytest.approx(expected)
+    assert main([str(tmp_path / "v.json")]) == 0
+    assert f"{100 * expected:.2f}%" in capsys.readouterr().out
+    (tmp_path / "other.json").write_text("{}")
+    assert main([str(tmp_path / "other.json")]) == 2
+    assert "no per-step diagnostic" in capsys.readouterr().err
 
 
 def test_comparing_refuses_requests_other_than_those_measured(measured):

@@ -61,8 +61,7 @@ def _serving_effects(profiled, scenario):
     clock = load_clock(profile_dir)
     if clock is None:
         return profiled
-    return ClockedCostModel(profiled, clock, scenario.model, str(profile_dir / CLOCK_FILE),
-                            rested=profiled.rested())
+    return ClockedCostModel(profiled, clock, scenario.model, str(profile_dir / CLOCK_FILE))
 
 
 def _roofline(scenario):

@@ -87,7 +87,8 @@ def calibrate_roofline(profile_dir, extended: bool = False) -> dict:
     non-negative least-squares fit of relative error. Returns {"params", "error", "profile",
     "form"}: params are RooflineParams fields; `extended` is the second form (a graphed
     and an eager step's overhead, each per layer: `graph_overhead_s_per_layer`,
-    `eager_overhead_s_per_layer`), which the roofline model loads when the calibration has it. host_link_efficiency comes from the profile's measured swap bandwidth.
+    `eager_overhead_s_per_layer`), which the roofline model loads when the calibration has it.
+    host_link_efficiency comes from the profile's measured swap bandwidth.
     """
     profile_dir = Path(profile_dir)
     model, gpu, _ = _profile_specs(profile_dir)

@@ -20,9 +20,9 @@ probe's `profile` phase ran the profiler's grid with the probe's compositions in
 2026-11-29): decode batches at 1.00-1.05x their light-work times, prefill chunks of 1-8k tokens
 at 1.06-1.22x. The clocked model therefore takes a profiled forward time as the composition's
 time at its settling clock, turns it into its full-clock time with that, and times each
-simulated step at the clock the run so far has left the GPU in. A profile that also timed its
-compositions after a rest (the profiler's `rested` part: `fit['rested']`) gives full-clock times
-directly, as measured in its own lease; the settling-clock reading is for profiles without.
+simulated step at the clock the run so far has left the GPU in. (Timing each composition again
+after 0.1 s of idle, the profiler's optional `rested` part, does not give full-clock times:
+decode batches came out 0-3% slower than in the grid, where they run at the top clock.)
 """
 from __future__ import annotations
 
@@ -166,12 +166,8 @@ class ClockedCostModel:
 
     is_estimate = False
 
-    def __init__(self, inner, clock: ClockModel, model, source: str = "", rested=None):
-        """`rested`: the profile's model of its compositions at the light-work clock
-        (`ProfiledCostModel.rested()`); full-clock times are then its forward times rather than
-        the profiled ones read at each composition's settling clock."""
+    def __init__(self, inner, clock: ClockModel, model, source: str = ""):
         self.inner = inner
-        self.rested = rested
         self.clock = clock
         self.state = ClockState(clock)
         self.counts = model.forward_flops()
@@ -189,16 +185,10 @@ class ClockedCostModel:
 
     def predict(self, plan) -> float:
         around = self.inner.around_seconds(plan)
-        if self.rested is not None:
-            full = self.rested.forward_seconds(plan)
-            if full <= 0:
-                return around
-            settling = self.clock.settling_mhz(step_flops(plan, self.counts) / full / 1e12)
-        else:
-            forward = self.inner.forward_seconds(plan)
-            if forward <= 0:
-                return around
-            full, settling = self.full_clock(forward, step_flops(plan, self.counts))
+        forward = self.inner.forward_seconds(plan)
+        if forward <= 0:
+            return around
+        full, settling = self.full_clock(forward, step_flops(plan, self.counts))
         # The forward is clocked from the step's start; the engine's host time, copies and swaps
         # (`around`, which run on the host or the copy engines) count as the GPU idling after it.
         return self.state.run_step(plan.now_s, full, settling) + around
@@ -217,8 +207,7 @@ class ClockedCostModel:
         out = self.inner.describe()
         out["name"] = self.name
         out["clock"] = dict(self.clock.to_dict(), source=self.source,
-                            full_clock_times=("the profile's rested fit" if self.rested else
-                                              "profiled times at each settling clock"))
+                            full_clock_times="profiled times at each settling clock")
         return out
 
 

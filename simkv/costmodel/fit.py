@@ -543,11 +543,20 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     }
 
 
-RESTED_NOTE = ("the step model fitted the same way on steps.csv's rested_s (each composition "
-               "after a rest: the light-work clock); the clock-state model takes full-clock "
-               "times from it")
+RESTED_NOTE = ("median of rested_s / time_s per family (steps.csv's rested_s: each composition "
+               "again after 0.1 s of idle); a diagnostic of the clock state, no model uses it")
 
 ENGINE_COLUMNS = ("num_seqs", "num_prefill_tokens", "outside_s")
+
+
+def rested_ratios(steps: pd.DataFrame) -> dict:
+    """The profiler's optional `rested` part against the grid: the median of rested_s / time_s
+    per family (rows without a positive rested time left out, and counted)."""
+    ratio = pd.to_numeric(steps["rested_s"], errors="coerce") / steps["time_s"]
+    ok = ratio.notna() & (ratio > 0)
+    out = {family: _round(float(part.median()), 4)
+           for family, part in ratio[ok].groupby(steps.loc[ok, "family"])}
+    return dict(out, rows=int(ok.sum()), rows_left_out=int((~ok).sum()), note=RESTED_NOTE)
 
 
 def fit_engine_host(df: pd.DataFrame) -> dict:
@@ -602,9 +611,7 @@ def fit_profile(profile_dir, out=None) -> dict:
                       "profiled": meta.get("date"), "command": meta.get("command")}}
     fit.update(fit_steps(steps, meta))
     if "rested_s" in steps.columns:
-        rested = pd.to_numeric(steps["rested_s"], errors="coerce")
-        if rested.notna().all() and (rested > 0).all():
-            fit["rested"] = dict(fit_steps(steps.assign(time_s=rested), meta), note=RESTED_NOTE)
+        fit["rested_vs_grid"] = rested_ratios(steps)
     for key in ("model_shape", "kv_bytes_per_token"):
         if key in meta:
             fit[key] = meta[key]

@@ -71,7 +71,6 @@ class ProfiledCostModel:
         than the profile's."""
         self.path = Path(path)
         self.fit = fit
-        self._init_args = (block_size, kv_dtype, model, gpu, scheduler)
         self.block_size = int(block_size)
         self.kv_dtype = kv_dtype
         self.notes: list[str] = []
@@ -102,18 +101,6 @@ class ProfiledCostModel:
             self._follow_scheduler(scheduler, model)
         self.use_shared_reads(None)
         self._prepare()
-
-    def rested(self) -> "ProfiledCostModel | None":
-        """The same model with the step coefficients fitted on the profile's rested times (its
-        compositions at the clock of light work, `fit['rested']`), or None when the profile
-        has none."""
-        rested = self.fit.get("rested")
-        if not isinstance(rested, dict):
-            return None
-        variant = ProfiledCostModel({**self.fit, **rested}, self.path, *self._init_args)
-        variant.name = f"{self.name}:rested"
-        variant.use_shared_reads(self.shared_reads)
-        return variant
 
     def use_shared_reads(self, shared_reads: dict | None) -> None:
         """A block that several decode sequences read (forks, prefix hits) is read again from

@@ -106,7 +106,8 @@ def fit_shared_reads(probe_dirs, profile_dir: Path) -> dict:
     med["predicted_saving_s"] = saving * med["full_read_s"]
     med["step_error"] = (med["time_s"] + med["saving_s"] - med["predicted_saving_s"]) \
         / med["time_s"] - 1
-    cases = [{"probe": r.probe, "batch": int(r.batch), "context": int(r.context), "group": int(r.group),
+    cases = [{"probe": r.probe, "batch": int(r.batch), "context": int(r.context),
+              "group": int(r.group),
               "spread": bool(r.spread), "time_ms": round(1e3 * r.time_s, 3),
               "saving_ms": round(1e3 * r.saving_s, 3),
               "predicted_saving_ms": round(1e3 * r.predicted_saving_s, 3),

@@ -1,7 +1,7 @@
 """The profiling pass: the real executor over a designed grid of step compositions.
 
     python -m simkv.gpu.profiler --model llama-3.1-8b [--block-sizes 8,16,32,64,128] [--out DIR]
-        [--parts steps,rested,transfers,ledger,host_noise,engine] [--time-budget-s S] [--quick]
+        [--parts steps,transfers,ledger,host_noise,engine[,rested]] [--time-budget-s S] [--quick]
         [--fit]
 
 For each block size a fresh `GpuExecutor` (sample model, paged Triton kernels, CUDA graphs for
@@ -16,11 +16,12 @@ The step grid runs a warm-up round over the whole design, then `reps` rounds (at
 steps over 50 ms), interleaved so that each composition is timed after different ones, as in
 serving; the step time is the median of the executor's own CUDA-event span (`last_gpu_s`: host
 input building, the forward, sampling and the copy of the sampled tokens back, as in the
-engine). With the `rested` part, each composition is timed again after a short idle, at the
-clock of light work (`rested_s`; `simkv fit` fits it as `rested`). Block tables are random permutations of the
-pool, whose K/V are random (never zeros). At block size 16 the profiler also measures the memory
-ledger (weights, activation peak against batched tokens, CUDA-graph pool and everything else)
-and repeats a few steps as they are and pinned to one CPU (host_noise.csv).
+engine). The `rested` part (a diagnostic, not in the default set) times each composition again
+after a short idle (`rested_s`; `simkv fit` reports its ratio to the grid's times). Block tables
+are random permutations of the pool, whose K/V are random (never zeros). At block size 16 the
+profiler also measures the memory ledger (weights, activation peak against batched tokens,
+CUDA-graph pool and everything else) and repeats a few steps as they are and pinned to one CPU
+(host_noise.csv).
 
 Writes `steps.csv`, `swap.csv`, `copy.csv`, `memory.csv`, `ledger.json`, `host_noise.csv` and
 `meta.json` (GPU, driver, versions, clocks observed, date, command) under
@@ -128,10 +129,10 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
     composition is timed after a different one, as steps follow each other in serving.
 
     `rested`: then each composition again after REST_S of idle, RESTED_STEPS steps back to back,
-    the fastest as `rested_s`: its time at the clock of light work (a heavy composition's first
-    step, before the power cap pulls the clock down). The grid's `time_s` is at the clock the
-    interleaved grid holds the GPU at, which the GPUs of different leases share, while their
-    light-work speed differs (docs/validation.md)."""
+    the fastest as `rested_s`. Meant as the light-work clock's times, it is not that: on the
+    H200 decode batches came out 0-3% slower than in the grid, where they run at the top clock
+    (the clock climbing back from idle), prefill and mixed steps 4-6% faster (docs/profiling.md); a
+    diagnostic of the clock state, which no model uses."""
     bs = executor.block_size
     tokens = _tokens(executor, rng)
     plans, graphed = [], []
@@ -371,7 +372,8 @@ def _write_csv(path: Path, rows: list, fields: list) -> None:
 # The pass
 
 
-PARTS = ("steps", "rested", "transfers", "ledger", "host_noise", "engine")
+PARTS = ("steps", "transfers", "ledger", "host_noise", "engine")      # the default set
+OPTIONAL_PARTS = ("rested",)
 NOISE_IDS = ("prefill/1x16+p0", "prefill/1x512+p0", "mixed/d32c1024/1x64+p0",
              "mixed/d128c1024/1x512+p2048", "decode/b64/c512")
 LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
@@ -384,7 +386,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     """Profile `model_name` (bundled name or config path) and write the raw data; returns the dir.
 
     `parts`: any of "steps" (the step grid, every block size), "rested" (with "steps": each
-    composition again after a rest, `rested_s`), "transfers" (swaps and copies,
+    composition again after a rest, `rested_s`; a diagnostic), "transfers" (swaps and copies,
     every block size), "ledger" and "host_noise" (CUDA only, at block size 16). `quick`: the CI
     smoke test (a handful of tiny compositions; use it with the `tiny` model on CPU, float64
     and the reference attention). Default out_dir: profiles/<gpu>/<model>/. The files are
@@ -556,18 +558,19 @@ def main(argv=None) -> int:
                         help="timed rounds over the design (default 5; at most 3 for steps "
                              "over 50 ms)")
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help="comma-separated: " + ", ".join(PARTS))
+                        help="comma-separated: " + ", ".join(PARTS + OPTIONAL_PARTS))
     parser.add_argument("--fit", action="store_true", help="run `simkv fit` on the result")
     parser.add_argument("--pin-cpu", type=int, default=None, metavar="N",
                         help="run pinned to CPU N (run the validation engine pinned as well)")
     args = parser.parse_args(argv)
     sizes = tuple(int(b) for b in args.block_sizes.split(","))
     parts = tuple(p for p in args.parts.split(",") if p)
-    unknown = [p for p in parts if p not in PARTS]
+    unknown = [p for p in parts if p not in PARTS + OPTIONAL_PARTS]
     if args.reps is not None and args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
     if unknown:
-        parser.error(f"unknown part(s) {', '.join(unknown)} (choose from {', '.join(PARTS)})")
+        parser.error(f"unknown part(s) {', '.join(unknown)} "
+                     f"(choose from {', '.join(PARTS + OPTIONAL_PARTS)})")
     try:
         out = run_profile(args.model, sizes, args.out, args.quick, args.device,
                           reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,

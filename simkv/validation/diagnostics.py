@@ -1,5 +1,7 @@
 """Per-step diagnostics of a validation: the cost model's error on the engine's own plans.
 
+    python -m simkv.validation.diagnostics RESULT.json...     # served-step error per result
+
 The simulator replays the engine's step times (`_PlanReplay`) so both keep the same schedule;
 each matched step's prediction is set against the step's duration and the executor span the
 profile measured, and the host time outside that span is fitted per sequence and token.
@@ -9,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from simkv.errors import InputError
 from simkv.validation.metrics import ERROR_KEYS, lookup, relative_error
 
 LARGE_BATCH = 128           # decode batches above this are reported apart in the step diagnostic
+KINDS = ("decode_graph", "mixed_graph", "eager")
 
 
 class _PlanReplay:
@@ -78,8 +82,7 @@ def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
     if rows.span_s.notna().all() and len(rows) >= 3:
         out["host_outside_span_fit"] = _fit_host_term(rows)
     large = rows.num_decodes > LARGE_BATCH
-    families = [(kind, rows[rows.kind == kind]) for kind in ("decode_graph", "mixed_graph",
-                                                             "eager")]
+    families = [(kind, rows[rows.kind == kind]) for kind in KINDS]
     families += [(f"{kind}_over_{LARGE_BATCH}_decodes", rows[(rows.kind == kind) & large])
                  for kind in ("decode_graph", "eager")]
     for family, part in families:
@@ -115,3 +118,41 @@ def _outside_fraction(steps: pd.DataFrame) -> float | None:
     if "span_s" not in steps or steps["span_s"].isna().any():
         return None
     return float((steps["duration_s"] - steps["span_s"]).sum() / steps["duration_s"].sum())
+
+
+def served_step_error(result: dict, run: str = "realtime") -> float:
+    """One number for how well a cost model times the steps a run served: the mean over the
+    step kinds of |total predicted / total duration - 1|, weighted by the kind's share of the
+    run's time (a validation result's `steps[run]`)."""
+    steps = result["steps"][run]
+    return sum(steps[kind]["time_fraction"] * abs(steps[kind]["error_vs_duration_total"])
+               for kind in KINDS if kind in steps)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    from simkv.errors import read_json_object
+    parser = argparse.ArgumentParser(prog="python -m simkv.validation.diagnostics",
+                                     description="The served-step error of validation results "
+                                                 "(real-time runs) and their mean.")
+    parser.add_argument("results", nargs="+", help="validation result JSONs")
+    args = parser.parse_args(argv)
+    errors = []
+    try:
+        for path in args.results:
+            result = read_json_object(path, "a result of python -m simkv.validate compare")
+            if "steps" not in result or "realtime" not in result["steps"]:
+                print(f"error: {path}: no per-step diagnostic (steps.realtime)", file=sys.stderr)
+                return 2
+            errors.append(served_step_error(result))
+            print(f"{path}\t{result.get('cost_model')}\t{100 * errors[-1]:.2f}%")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"mean of {len(errors)}\t{100 * float(np.mean(errors)):.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
