@@ -144,6 +144,32 @@ def test_the_served_step_error_weighs_each_step_kind_by_its_time(measured, tmp_p
     assert "no per-step diagnostic" in capsys.readouterr().err
 
 
+def test_the_step_diagnostic_splits_a_prediction_into_forward_and_around(measured):
+    from simkv.validation.data import read_run
+    from simkv.validation.diagnostics import step_diagnostics
+
+    class Fixed:                       # 10 ms a step, 2 ms of it around the forward
+        name = "fixed"
+
+        def predict(self, plan):
+            return 0.010
+
+        def around_seconds(self, plan):
+            return 0.002
+
+    path, out = measured
+    scn = load_validation_scenario(path)
+    run = read_run(out / "realtime")
+    diag = step_diagnostics(scn, load_requests_frame(scn), run, Fixed())
+    kinds = [kind for kind in ("decode_graph", "mixed_graph", "eager") if kind in diag]
+    assert kinds
+    for kind in kinds:
+        entry = diag[kind]
+        assert entry["predicted_around_ms_mean"] == pytest.approx(2.0)
+        span_ms = entry["span_ms_mean"]
+        assert entry["forward_error_vs_span_total"] == pytest.approx(8.0 / span_ms - 1)
+
+
 def test_comparing_refuses_requests_other_than_those_measured(measured):
     path, out = measured
     from simkv.core.config import load_scenario

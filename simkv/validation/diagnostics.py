@@ -52,8 +52,10 @@ class _PlanReplay:
                 else plan.num_prefill_tokens == 0 and decodes <= 256
             kind = ("eager" if not graphed else
                     "mixed_graph" if plan.num_prefill_tokens else "decode_graph")
+            around = getattr(self.inner, "around_seconds", None)
             self.rows.append((predicted, self.duration_s[k], self.span_s[k], kind,
-                              len(plan.scheduled), plan.num_prefill_tokens, decodes))
+                              len(plan.scheduled), plan.num_prefill_tokens, decodes,
+                              around(plan) if around is not None else np.nan))
             end = self.start_s[k] + self.duration_s[k]
             if k + 1 < len(self.start_s) and self.start_s[k + 1] - end < self.IDLE_GAP_S:
                 return max(1e-9, float(self.start_s[k + 1] - plan.now_s))
@@ -78,7 +80,8 @@ def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
            "replayed_error": {k: relative_error(lookup(replayed, k), lookup(measured["summary"], k))
                               for k in ERROR_KEYS[:5]}}
     rows = pd.DataFrame(replay.rows, columns=["predicted_s", "duration_s", "span_s", "kind",
-                                              "num_seqs", "num_prefill_tokens", "num_decodes"])
+                                              "num_seqs", "num_prefill_tokens", "num_decodes",
+                                              "around_s"])
     if rows.span_s.notna().all() and len(rows) >= 3:
         out["host_outside_span_fit"] = _fit_host_term(rows)
     large = rows.num_decodes > LARGE_BATCH
@@ -102,6 +105,12 @@ def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
             entry["error_vs_span_total"] = float(part.predicted_s.sum() / part.span_s.sum() - 1)
             entry["host_outside_span_ms_mean"] = 1e3 * float((part.duration_s
                                                               - part.span_s).mean())
+            if part.around_s.notna().all():
+                # the prediction split: the forward against the executor's span, the engine's
+                # time around the step against the time measured outside the span
+                entry["forward_error_vs_span_total"] = float(
+                    (part.predicted_s - part.around_s).sum() / part.span_s.sum() - 1)
+                entry["predicted_around_ms_mean"] = 1e3 * float(part.around_s.mean())
         out[family] = entry
     return out
 
