@@ -335,11 +335,15 @@ class Scheduler:
             # repeats among the step's decodes: the tables of every other running sequence
             # (prefill chunks, sequences left out of the step) taken out, each holding a
             # shared block being one holder fewer there
-            decoding = {id(item.seq) for item in plan.scheduled if item.is_decode}
-            for req in self.running:
-                for seq in req.seqs:
-                    if id(seq) not in decoding and seq.block_table:
-                        shared -= self.kv.shared_blocks_of(seq)
+            for item in plan.scheduled:
+                if not item.is_decode:
+                    shared -= self.kv.shared_blocks_of(item.seq)
+            if len(plan.scheduled) < sum(len(req.seqs) for req in self.running):
+                scheduled = {id(item.seq) for item in plan.scheduled}
+                for req in self.running:
+                    for seq in req.seqs:
+                        if id(seq) not in scheduled and seq.block_table:
+                            shared -= self.kv.shared_blocks_of(seq)
             plan.decode_shared_context_tokens = min(decode_ctx,
                                                     max(0, shared) * self.kv.block_size)
         plan.prefill_context_tokens = prefill_ctx
