@@ -109,10 +109,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-clock", default=None, choices=("auto", "fixed"),
                    help="the scenario's gpu_clock instead (fixed: no clock-state model)")
     args = parser.parse_args(argv)
-    if args.verb == "compare" and args.out is None \
-            and (args.cost_model is not None or args.gpu_clock is not None):
-        parser.error("--cost-model and --gpu-clock need --out (the default path holds the "
-                     "comparison with the scenario's own cost model)")
+    if args.verb == "compare" and args.out is None:
+        used = [flag for flag, value in (("--cost-model", args.cost_model),
+                                         ("--gpu-clock", args.gpu_clock)) if value is not None]
+        if used:
+            parser.error(f"{' and '.join(used)} need{'s' if len(used) == 1 else ''} --out (the "
+                         "default path holds the comparison with the scenario's own cost model)")
     try:
         if args.verb == "prepare":
             for path in args.scenarios:

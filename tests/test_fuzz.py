@@ -2,7 +2,8 @@
 
 Scenarios: tiny pools, n > 1, shared prefixes, tenants, cancellations at random times, both
 preemption modes and victim policies, both allocators, chunking on/off, prefix caching on/off.
-Each run must finish without an exception, leak nothing and account for every request.
+Each run must finish without an exception, leak nothing and account for every request, and
+every plan's count of repeated block reads among its decodes must equal a count over the tables.
 
 Tenant isolation: with per-tenant scope no block is ever shared across tenants. `TenantIsolation`
 wraps the paged manager so that every prefix hit is checked twice: the hit block's hash was
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import simkv
 from simkv.core.kv.manager import PagedKVCacheManager
+from simkv.core.scheduler import Scheduler
 from simkv.core.traces import build_trace, load_trace
 from simkv.sim.engine import Simulation
 
@@ -75,10 +77,42 @@ class TenantIsolation:
         return False
 
 
+class SharedReadCount:
+    """Checks each plan's `decode_shared_context_tokens` (kept in O(1) by the KV manager) against
+    a count over the step's decode tables: per block, its decode holders beyond the first."""
+
+    def __enter__(self):
+        self.saved = Scheduler._finalise
+
+        def checked_finalise(sched, plan):
+            self.saved(sched, plan)
+            if not isinstance(sched.kv, PagedKVCacheManager):
+                return
+            holders: dict = {}
+            for item in plan.scheduled:
+                if item.is_decode:
+                    for b in item.seq.block_table:
+                        holders[b] = holders.get(b, 0) + 1
+            repeats = sum(count - 1 for count in holders.values())
+            assert plan.decode_shared_context_tokens == min(
+                plan.decode_context_tokens, repeats * sched.kv.block_size), \
+                f"step {plan.step}: {plan.decode_shared_context_tokens} repeated tokens " \
+                f"counted, {repeats} repeated blocks in the decode tables"
+
+        Scheduler._finalise = checked_finalise
+        return self
+
+    def __exit__(self, *exc):
+        Scheduler._finalise = self.saved
+        return False
+
+
 def run_checked(raw: dict, trace_df=None, check_integrity=True):
-    """Simulate; assert nothing leaked, nothing is held and every request is accounted for."""
+    """Simulate; assert nothing leaked, nothing is held, every request is accounted for and
+    every step's repeated reads are counted right."""
     sim = Simulation(simkv.load_scenario(raw), trace_df, check_integrity=check_integrity)
-    result = sim.run()
+    with SharedReadCount():
+        result = sim.run()
     summary, requests = result.summary, result.requests
     assert summary["leaked_blocks"] == 0
     assert len(requests) == len(sim.frame) and set(requests["status"]) <= FINAL

@@ -123,17 +123,32 @@ def test_a_decode_beside_prefills_that_share_a_prefix_among_themselves_repeats_n
     assert plan.decode_shared_context_tokens == 0
 
 
-def test_a_running_sequence_left_out_of_a_step_is_not_counted_as_a_decode_holder():
-    # two samples share their prompt's full blocks; in a step that decodes only one of them
-    # (the other left out), that one reads the blocks once: no repeated read
-    from simkv.core.plan import StepPlan
+def test_repeats_count_only_among_the_decodes_a_step_schedules():
+    # two requests of n = 2 hold their prompts' blocks twice each; a token budget of 2 decodes
+    # request 0's pair and leaves request 1's out, whose repeats are not read
     sched = make_scheduler()
-    sched.add_request(scheduler_request(0, 40, 5, n=2))
-    step(sched)                                        # prefill, then the fork
-    both = sched.schedule(1.0)
-    decodes = [item for item in both.scheduled if item.is_decode]
-    assert len(decodes) == 2 and both.decode_shared_context_tokens == 2 * BS
-    one = StepPlan(step=both.step, now_s=1.0, scheduled=decodes[:1])
-    sched._finalise(one)
-    assert one.decode_context_tokens == decodes[0].start + 1
-    assert one.decode_shared_context_tokens == 0
+    for rid in (0, 1):
+        sched.add_request(scheduler_request(rid, 40, 5, n=2))
+    step(sched)                                        # both prefilled, then the forks
+    assert sched.kv.num_shared_block_refs == 2 * 3     # the partial block too, until written
+    sched.max_num_batched_tokens = 2
+    plan = step(sched)
+    assert [(item.seq.request.request_id, item.is_decode) for item in plan.scheduled] \
+        == [(0, True), (0, True)]
+    assert plan.decode_shared_context_tokens == 2 * BS
+    sched.max_num_batched_tokens = 3                   # one of request 1's samples too
+    plan = step(sched)
+    assert sum(item.is_decode for item in plan.scheduled) == 3
+    assert plan.decode_shared_context_tokens == 2 * BS
+
+
+def test_the_shares_of_tables_outside_a_step_are_counted_per_block():
+    kv = PagedKVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_seq(make_request(1, 40, n=3))
+    admit(kv, parent)
+    finish_prompt(parent)
+    children = [fork(kv, parent, 10), fork(kv, parent, 11)]
+    assert kv.num_shared_block_refs == 2 * 3           # 3 blocks held three times
+    assert kv.shared_refs_of([children[0]]) == 3       # one holder fewer of each
+    assert kv.shared_refs_of(children) == 2 * 3        # two fewer: no repeat left
+    assert kv.shared_refs_of([parent, *children]) == 2 * 3     # never more than the repeats

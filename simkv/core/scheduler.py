@@ -332,20 +332,16 @@ class Scheduler:
         plan.decode_context_tokens = decode_ctx
         shared = self.kv.num_shared_block_refs if decode_ctx else 0
         if shared:
-            # repeats among the step's decodes: the tables of every other running sequence
-            # (prefill chunks, sequences left out of the step) taken out, each holding a
-            # shared block being one holder fewer there
-            for item in plan.scheduled:
-                if not item.is_decode:
-                    shared -= self.kv.shared_blocks_of(item.seq)
+            # repeats among the step's decodes: the shares of every other running sequence's
+            # table (prefill chunks, sequences the step leaves out) taken out
+            others = [item.seq for item in plan.scheduled if not item.is_decode]
             if len(plan.scheduled) < sum(len(req.seqs) for req in self.running):
                 scheduled = {id(item.seq) for item in plan.scheduled}
-                for req in self.running:
-                    for seq in req.seqs:
-                        if id(seq) not in scheduled and seq.block_table:
-                            shared -= self.kv.shared_blocks_of(seq)
-            plan.decode_shared_context_tokens = min(decode_ctx,
-                                                    max(0, shared) * self.kv.block_size)
+                others += [seq for req in self.running for seq in req.seqs
+                           if id(seq) not in scheduled]
+            if others:
+                shared -= self.kv.shared_refs_of(others)
+            plan.decode_shared_context_tokens = min(decode_ctx, shared * self.kv.block_size)
         plan.prefill_context_tokens = prefill_ctx
         plan.prefill_attention_pairs = pairs
         if self.kv.copies:

@@ -551,12 +551,13 @@ ENGINE_COLUMNS = ("num_seqs", "num_prefill_tokens", "outside_s")
 
 def rested_ratios(steps: pd.DataFrame) -> dict:
     """The profiler's optional `rested` part against the grid: the median of rested_s / time_s
-    per family (rows without a positive rested time left out, and counted)."""
+    per family (rows without a positive, finite ratio left out, and counted)."""
     ratio = pd.to_numeric(steps["rested_s"], errors="coerce") / steps["time_s"]
-    ok = ratio.notna() & (ratio > 0)
-    out = {family: _round(float(part.median()), 4)
-           for family, part in ratio[ok].groupby(steps.loc[ok, "family"])}
-    return dict(out, rows=int(ok.sum()), rows_left_out=int((~ok).sum()), note=RESTED_NOTE)
+    ok = np.isfinite(ratio) & (ratio > 0)
+    median = {family: _round(float(part.median()), 4)
+              for family, part in ratio[ok].groupby(steps.loc[ok, "family"])}
+    return {"median_ratio": median, "rows": int(ok.sum()), "rows_left_out": int((~ok).sum()),
+            "note": RESTED_NOTE}
 
 
 def fit_engine_host(df: pd.DataFrame) -> dict:

@@ -354,13 +354,18 @@ class ProfiledCostModel:
         time around it (scheduling and finishing the step; `engine_host` in the fit)."""
         return self.forward_seconds(plan) + self.around_seconds(plan)
 
+    def host_seconds(self, plan) -> float:
+        """The engine's host time around a step (scheduling, finishing it, metrics: outside the
+        executor's span), from the profile's engine pass; 0 without one."""
+        if self.engine_host is None or not plan.scheduled:
+            return 0.0
+        return engine_host_seconds(self.engine_host, len(plan.scheduled),
+                                   plan.num_prefill_tokens)
+
     def around_seconds(self, plan) -> float:
         """Seconds of a step outside its forward pass: the engine's host time, block copies
         and swaps."""
-        seconds = 0.0
-        if self.engine_host is not None and plan.scheduled:
-            seconds += engine_host_seconds(self.engine_host, len(plan.scheduled),
-                                           plan.num_prefill_tokens)
+        seconds = self.host_seconds(plan)
         if plan.block_copies and self.copy is not None:
             seconds += transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)
         if plan.swap_out and "out" in self.swap:

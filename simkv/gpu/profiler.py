@@ -571,6 +571,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)} "
                      f"(choose from {', '.join(PARTS + OPTIONAL_PARTS)})")
+    if "rested" in parts and "steps" not in parts:
+        parser.error("the rested part times the step grid again: it needs the steps part")
     try:
         out = run_profile(args.model, sizes, args.out, args.quick, args.device,
                           reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,

@@ -36,6 +36,7 @@ class _PlanReplay:
                        else np.full(len(steps), np.nan))
         self.rows = []
         self.matching = True
+        self.host_seconds = getattr(inner, "host_seconds", None)   # a profiled model's
 
     def reset(self) -> None:
         if hasattr(self.inner, "reset"):
@@ -52,10 +53,9 @@ class _PlanReplay:
                 else plan.num_prefill_tokens == 0 and decodes <= 256
             kind = ("eager" if not graphed else
                     "mixed_graph" if plan.num_prefill_tokens else "decode_graph")
-            around = getattr(self.inner, "around_seconds", None)
+            host = self.host_seconds(plan) if self.host_seconds is not None else np.nan
             self.rows.append((predicted, self.duration_s[k], self.span_s[k], kind,
-                              len(plan.scheduled), plan.num_prefill_tokens, decodes,
-                              around(plan) if around is not None else np.nan))
+                              len(plan.scheduled), plan.num_prefill_tokens, decodes, host))
             end = self.start_s[k] + self.duration_s[k]
             if k + 1 < len(self.start_s) and self.start_s[k + 1] - end < self.IDLE_GAP_S:
                 return max(1e-9, float(self.start_s[k + 1] - plan.now_s))
@@ -81,7 +81,7 @@ def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
                               for k in ERROR_KEYS[:5]}}
     rows = pd.DataFrame(replay.rows, columns=["predicted_s", "duration_s", "span_s", "kind",
                                               "num_seqs", "num_prefill_tokens", "num_decodes",
-                                              "around_s"])
+                                              "host_s"])
     if rows.span_s.notna().all() and len(rows) >= 3:
         out["host_outside_span_fit"] = _fit_host_term(rows)
     large = rows.num_decodes > LARGE_BATCH
@@ -105,12 +105,12 @@ def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
             entry["error_vs_span_total"] = float(part.predicted_s.sum() / part.span_s.sum() - 1)
             entry["host_outside_span_ms_mean"] = 1e3 * float((part.duration_s
                                                               - part.span_s).mean())
-            if part.around_s.notna().all():
-                # the prediction split: the forward against the executor's span, the engine's
-                # time around the step against the time measured outside the span
+            if part.host_s.notna().all():
+                # the prediction split: what the executor runs (the forward, copies, swaps)
+                # against its span; the engine's host term against the time outside the span
                 entry["forward_error_vs_span_total"] = float(
-                    (part.predicted_s - part.around_s).sum() / part.span_s.sum() - 1)
-                entry["predicted_around_ms_mean"] = 1e3 * float(part.around_s.mean())
+                    (part.predicted_s - part.host_s).sum() / part.span_s.sum() - 1)
+                entry["predicted_host_ms_mean"] = 1e3 * float(part.host_s.mean())
         out[family] = entry
     return out
 
@@ -132,10 +132,20 @@ def _outside_fraction(steps: pd.DataFrame) -> float | None:
 def served_step_error(result: dict, run: str = "realtime") -> float:
     """One number for how well a cost model times the steps a run served: the mean over the
     step kinds of |total predicted / total duration - 1|, weighted by the kind's share of the
-    run's time (a validation result's `steps[run]`)."""
-    steps = result["steps"][run]
-    return sum(steps[kind]["time_fraction"] * abs(steps[kind]["error_vs_duration_total"])
-               for kind in KINDS if kind in steps)
+    run's time (a validation result's `steps[run]`, its matched steps). InputError when the
+    result has no such diagnostic or no matched step."""
+    steps = result.get("steps") if isinstance(result, dict) else None
+    steps = steps.get(run) if isinstance(steps, dict) else None
+    if not isinstance(steps, dict) or not steps.get("matched_steps"):
+        raise InputError(f"no per-step diagnostic with matched steps (steps.{run}); a result of "
+                         "python -m simkv.validate compare has one")
+    try:
+        return sum(float(steps[kind]["time_fraction"])
+                   * abs(float(steps[kind]["error_vs_duration_total"]))
+                   for kind in KINDS if kind in steps)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"steps.{run}: a step kind without time_fraction and "
+                         f"error_vs_duration_total ({e})") from None
 
 
 def main(argv=None) -> int:
@@ -151,11 +161,13 @@ def main(argv=None) -> int:
     try:
         for path in args.results:
             result = read_json_object(path, "a result of python -m simkv.validate compare")
-            if "steps" not in result or "realtime" not in result["steps"]:
-                print(f"error: {path}: no per-step diagnostic (steps.realtime)", file=sys.stderr)
-                return 2
-            errors.append(served_step_error(result))
-            print(f"{path}\t{result.get('cost_model')}\t{100 * errors[-1]:.2f}%")
+            try:
+                errors.append(served_step_error(result))
+            except InputError as e:
+                raise InputError(f"{path}: {e}") from None
+            steps = result["steps"]["realtime"]
+            print(f"{path}\t{result.get('cost_model')}\t{100 * errors[-1]:.2f}%\t"
+                  f"({steps['matched_steps']} of {steps.get('steps')} steps matched)")
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

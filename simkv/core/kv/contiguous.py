@@ -44,7 +44,7 @@ class ContiguousKVCacheManager:
     num_cached_free_blocks = 0
     num_shared_block_refs = 0        # every sequence has its own range
 
-    def shared_blocks_of(self, seq) -> int:
+    def shared_refs_of(self, seqs) -> int:
         return 0
 
     def seq_slots(self, seq: Sequence) -> int:

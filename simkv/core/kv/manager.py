@@ -63,10 +63,17 @@ class PagedKVCacheManager:
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
 
-    def shared_blocks_of(self, seq) -> int:
-        """How many blocks of `seq`'s table another table holds too."""
+    def shared_refs_of(self, seqs) -> int:
+        """The part of `num_shared_block_refs` that `seqs`' tables account for: per block they
+        hold, min(how many of them hold it, its references beyond the first). What is left are
+        the repeats among the other tables."""
         ref_cnt = self.pool.ref_cnt
-        return sum(1 for b in seq.block_table if ref_cnt[b] > 1)
+        held: dict = {}
+        for seq in seqs:
+            for b in seq.block_table:
+                if ref_cnt[b] > 1:
+                    held[b] = held.get(b, 0) + 1
+        return sum(min(count, ref_cnt[b] - 1) for b, count in held.items())
 
     @property
     def num_shared_block_refs(self) -> int:
