@@ -13,7 +13,7 @@ from simkv.costmodel.clock import (CLOCK_FILE, ClockedCostModel, ClockModel, Clo
                                    step_flops)
 from simkv.costmodel.profiled import ProfiledCostModel
 from simkv.errors import InputError
-from tests.test_profiled_costmodel import coefs, plan_of, write_fit
+from tests.test_profiled_costmodel import plan_of, write_fit
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "profiles" / "h200" / "llama-3.1-8b"

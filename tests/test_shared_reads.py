@@ -18,12 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "profiles" / "h200" / "llama-3.1-8b"
 
 
-def test_a_fork_repeats_every_block_of_the_parent_and_freeing_it_repeats_none():
+def forked_three_times():
+    """A KV manager holding a 40-token prompt's 3 blocks in a parent and two forks of it."""
     kv = PagedKVCacheManager(num_blocks=8, block_size=BS)
     parent = make_seq(make_request(1, 40, n=3))
     admit(kv, parent)
     finish_prompt(parent)
-    children = [fork(kv, parent, 10), fork(kv, parent, 11)]
+    return kv, parent, [fork(kv, parent, 10), fork(kv, parent, 11)]
+
+
+def test_a_fork_repeats_every_block_of_the_parent_and_freeing_it_repeats_none():
+    kv, parent, children = forked_three_times()
     assert kv.num_shared_block_refs == 2 * 3            # 3 blocks, two more tables each
     kv.free(children[0])
     assert kv.num_shared_block_refs == 3
@@ -143,11 +148,7 @@ def test_repeats_count_only_among_the_decodes_a_step_schedules():
 
 
 def test_the_shares_of_tables_outside_a_step_are_counted_per_block():
-    kv = PagedKVCacheManager(num_blocks=8, block_size=BS)
-    parent = make_seq(make_request(1, 40, n=3))
-    admit(kv, parent)
-    finish_prompt(parent)
-    children = [fork(kv, parent, 10), fork(kv, parent, 11)]
+    kv, parent, children = forked_three_times()
     assert kv.num_shared_block_refs == 2 * 3           # 3 blocks held three times
     assert kv.shared_refs_of([children[0]]) == 3       # one holder fewer of each
     assert kv.shared_refs_of(children) == 2 * 3        # two fewer: no repeat left
