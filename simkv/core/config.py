@@ -59,6 +59,7 @@ class Scenario:
     gpu: Any                                    # simkv.core.specs.GpuSpec
     cost_model: str = "auto"                    # auto | profile | roofline | PATH
     gpu_clock: str = "auto"                     # auto: the profile's clock model, if any | fixed
+    step_time_scale: float = 1.0                # multiplies every predicted step time
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -80,6 +81,7 @@ TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
     "gpu": (str, False),
     "cost_model": (str, False),
     "gpu_clock": (str, False),
+    "step_time_scale": (float, False),
     "seed": (int, False),
 }
 CHOICES = {
@@ -444,6 +446,8 @@ def load_scenario(
     gpu_clock = top.get("gpu_clock", "auto")
     if gpu_clock not in GPU_CLOCK_CHOICES:
         v.fail("gpu_clock", f"{gpu_clock!r} is not one of {', '.join(GPU_CLOCK_CHOICES)}")
+    step_time_scale = top.get("step_time_scale", 1.0)
+    v.positive("step_time_scale", step_time_scale)
     cost_model = top.get("cost_model", "auto")
     if cost_model not in COST_MODEL_KEYWORDS:
         cost_model = _resolve(cost_model, base_dir)
@@ -459,6 +463,7 @@ def load_scenario(
         gpu=gpu,
         cost_model=cost_model,
         gpu_clock=gpu_clock,
+        step_time_scale=step_time_scale,
         seed=top.get("seed", 0),
         cache=cache,
         scheduler=scheduler,
@@ -490,6 +495,7 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "gpu": scn.gpu.name,
         "cost_model": scn.cost_model,
         "gpu_clock": scn.gpu_clock,
+        "step_time_scale": scn.step_time_scale,
         "seed": scn.seed,
         "cache": asdict(scn.cache),
         "scheduler": asdict(scn.scheduler),

@@ -11,7 +11,17 @@ from simkv.errors import InputError
 
 
 def load_cost_model(scenario):
-    """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json."""
+    """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json; with
+    `step_time_scale` other than 1, its step times that many times (`simkv.costmodel.scaled`)."""
+    model = _load(scenario)
+    scale = getattr(scenario, "step_time_scale", 1.0)
+    if scale != 1.0:
+        from simkv.costmodel.scaled import ScaledCostModel
+        model = ScaledCostModel(model, scale)
+    return model
+
+
+def _load(scenario):
     choice = scenario.cost_model
     cache = scenario.cache
     if choice in ("auto", "profile") or (choice not in ("roofline",) and Path(choice).suffix):
