@@ -17,5 +17,6 @@ def test_capacity_report_executes_and_writes_its_findings(tmp_path):
     findings = "".join(out.get("data", {}).get("text/markdown", "")
                        for out in nb.cells[-1].outputs)
     assert "internal fragmentation" in findings and "requests/s" in findings
+    assert "take 5% longer than the profile's" in findings
     assert (tmp_path / "plots" / "block_size_study.png").exists()
     assert (tmp_path / "grid" / "sweep.csv").exists()
