@@ -26,7 +26,7 @@ travels with the repo, and `load_validation_scenario(path, data_dir)` reads it i
     python -m simkv.validate measure SCENARIO... --data .valdata --out results/validation
         [--pin-cpu N] [--no-trace]
     python -m simkv.validate compare SCENARIO --measured results/validation/NAME [--out JSON]
-        [--cost-model FIT_JSON] [--gpu-clock auto|fixed]
+        [--cost-model FIT_JSON] [--gpu-clock auto|fixed] [--calibrate-saturated] [--no-plots]
 """
 from __future__ import annotations
 
@@ -108,10 +108,17 @@ def main(argv=None) -> int:
                    "this measurement)")
     p.add_argument("--gpu-clock", default=None, choices=("auto", "fixed"),
                    help="the scenario's gpu_clock instead (fixed: no clock-state model)")
+    p.add_argument("--no-plots", action="store_true", help="write the JSON only")
+    p.add_argument("--calibrate-saturated", action="store_true",
+                   help="scale the step times so that the simulated all-at-zero run lasts as "
+                        "long as the measured saturated run, then compare")
     args = parser.parse_args(argv)
     if args.verb == "compare" and args.out is None:
         used = [flag for flag, value in (("--cost-model", args.cost_model),
-                                         ("--gpu-clock", args.gpu_clock)) if value is not None]
+                                         ("--gpu-clock", args.gpu_clock),
+                                         ("--calibrate-saturated",
+                                          args.calibrate_saturated or None))
+                if value is not None]
         if used:
             parser.error(f"{' and '.join(used)} need{'s' if len(used) == 1 else ''} --out (the "
                          "default path holds the comparison with the scenario's own cost model)")
@@ -136,7 +143,9 @@ def main(argv=None) -> int:
             if overrides:
                 from simkv.core.config import with_overrides
                 scn = with_overrides(scn, overrides)
-            result = compare_validation(args.measured, scn, args.out)
+            result = compare_validation(args.measured, scn, args.out,
+                                        calibrate=args.calibrate_saturated,
+                                        plots=not args.no_plots)
             print(format_table([result]))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)

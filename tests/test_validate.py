@@ -119,7 +119,7 @@ def test_compare_with_the_clock_fixed_simulates_the_scenario_so(measured, tmp_pa
     assert e.value.code == 2 and "--gpu-clock needs --out" in capsys.readouterr().err
     seen = []
     monkeypatch.setattr(validate, "compare_validation",
-                        lambda measured_dir, scn, out: seen.append(scn) or {})
+                        lambda measured_dir, scn, out, **kw: seen.append(scn) or {})
     monkeypatch.setattr(validate, "format_table", lambda results: "")
     assert validate.main(["compare", str(path), "--measured", str(out), "--gpu-clock", "fixed",
                           "--out", str(tmp_path / "f.json")]) == 0
@@ -172,6 +172,23 @@ def test_the_step_diagnostic_splits_a_prediction_into_forward_and_around(measure
         assert entry["predicted_host_ms_mean"] == pytest.approx(2.0)
         span_ms = entry["span_ms_mean"]
         assert entry["forward_error_vs_span_total"] == pytest.approx(8.0 / span_ms - 1)
+
+
+def test_calibrating_on_the_saturated_run_makes_its_simulated_duration_the_measured_one(
+        measured, tmp_path):
+    path, out = measured
+    plain = compare_validation(out, load_validation_scenario(path), tmp_path / "p.json",
+                               plots=False, diagnostics=False)
+    assert plain["calibration"] is None
+    result = compare_validation(out, load_validation_scenario(path), tmp_path / "c.json",
+                                plots=False, diagnostics=False, calibrate=True)
+    calibration = result["calibration"]
+    assert calibration["step_time_scale"] == pytest.approx(
+        calibration["saturated_measured_s"] / calibration["saturated_simulated_s"])
+    # all requests at t = 0: step times scaled by s, the run lasts s times as long
+    assert result["saturated"]["error"]["sim_duration_s"] == pytest.approx(0.0, abs=1e-9)
+    assert plain["saturated"]["error"]["sim_duration_s"] != pytest.approx(0.0, abs=1e-3)
+    assert result["cost_model"].endswith(f"*{calibration['step_time_scale']:g}")
 
 
 def test_comparing_refuses_requests_other_than_those_measured(measured):

@@ -34,9 +34,34 @@ def ledger_num_blocks(ledger: dict, scenario, bytes_per_block: int) -> int | Non
     return int((budget - (peak - pool)) // bytes_per_block)
 
 
+def _calibrated(scn, cost_model, at_zero, saturated: dict) -> tuple:
+    """(scenario, cost model, calibration) with the step times scaled so that the simulated
+    all-at-zero run lasts as long as the measured saturated one."""
+    from simkv.core.config import with_overrides
+    from simkv.sim.engine import simulate
+    from simkv.sim.setup import build_cost_model
+    measured_s = saturated["summary"].get("sim_duration_s")
+    simulated_s = simulate(scn, trace_df=at_zero, cost_model=cost_model).summary["sim_duration_s"]
+    if not measured_s or not simulated_s or measured_s <= 0 or simulated_s <= 0:
+        raise InputError("calibration needs the saturated run's duration (saturated/"
+                         "summary.json sim_duration_s) and a simulated run that takes time")
+    scale = measured_s / simulated_s
+    scn = with_overrides(scn, {"step_time_scale": scn.step_time_scale * scale})
+    return scn, build_cost_model(scn), {
+        "step_time_scale": scale, "saturated_measured_s": measured_s,
+        "saturated_simulated_s": simulated_s,
+        "note": "step times scaled so that the simulated all-at-zero run lasts as long as the "
+                "measured saturated run (the same requests, offline, on the same GPU)"}
+
+
 def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
-                       diagnostics: bool = True) -> dict:
+                       diagnostics: bool = True, calibrate: bool = False) -> dict:
     """Simulate the measured requests with the scenario's cost model and compare (CPU side).
+
+    `calibrate`: first scale every step time (`step_time_scale`) so that the simulated
+    all-at-zero run lasts as long as the measured saturated run (the same requests on the same
+    GPU, offline), then compare: the simulator calibrated to this GPU by one offline run
+    (`calibration` in the JSON). Without it, the profile alone.
 
     Writes `out` (default `profiles/<gpu>/<model>/validation/<name>.json`) with `model`, `gpu`,
     `load`, `measured` and `simulated` summaries, `error` per ERROR_KEYS, the saturated runs'
@@ -75,10 +100,13 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
         from simkv.core.config import with_overrides
         scn = with_overrides(scn, {"cache.num_gpu_blocks_override": served_blocks})
     cost_model = build_cost_model(scn)
-    sim = simulate(scn, trace_df=frame, cost_model=cost_model)
-    simulated = dict(sim.summary)
     at_zero = frame.copy()
     at_zero["arrival_s"] = 0.0
+    calibration = None
+    if calibrate:
+        scn, cost_model, calibration = _calibrated(scn, cost_model, at_zero, runs["saturated"])
+    sim = simulate(scn, trace_df=frame, cost_model=cost_model)
+    simulated = dict(sim.summary)
     sim_sat = simulate(scn, trace_df=at_zero, cost_model=cost_model).summary
 
     sat_rps = runs["saturated"]["summary"]["throughput_requests_per_s"]
@@ -100,6 +128,7 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
         "scenario": meta.get("scenario_path"),
         "measured_dir": str(measured_dir),
         "cost_model": cost_model.name,
+        "calibration": calibration,
         "requests": len(frame),
         "load": load,
         "offered_rate_rps": offered,
