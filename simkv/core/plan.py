@@ -40,8 +40,8 @@ class StepPlan:
     decode_context_tokens: int = 0      # sum of decode sequences' context lengths
     decode_max_context: int = 0         # the longest decode context (the kernel's busiest program)
     decode_shared_context_tokens: int = 0   # repeated reads: (holders - 1) x block_size summed
-    # over the blocks several decode tables hold (the KV manager's count over every table, less
-    # the step's prefill chunks' shares; running sequences left out of the step still count)
+    # over the blocks several of the step's decode tables hold (the KV manager's count over every
+    # table, less the shares of the other running tables: prefill chunks, sequences left out)
     prefill_context_tokens: int = 0     # sum of prefill chunks' context lengths after the step
     prefill_attention_pairs: int = 0    # query-key pairs of prefill attention (causal)
     # memory operations the executor performs before the forward
