@@ -20,16 +20,21 @@ def scenario(**overrides):
 
 
 def test_the_scale_multiplies_every_prediction_and_names_itself():
-    plain, slower = load_cost_model(scenario()), load_cost_model(scenario(step_time_scale=1.05))
     assert scenario().step_time_scale == 1.0
-    assert slower.name == f"{plain.name}*1.05"
-    for items in ([(1023, 1, True)] * 8, [(0, 512, False)], [(0, 256, False), (511, 1, True)]):
-        plain.reset()
-        slower.reset()
-        plan = plan_of(items)
-        assert slower.predict(plan) == pytest.approx(1.05 * plain.predict(plan), rel=1e-12)
-    assert slower.describe()["step_time_scale"] == 1.05
-    assert slower.block_size == plain.block_size          # the inner model shows through
+    # with the clock fixed, exactly; under the clock state a step 5% longer lets the clock move
+    # a little further while it runs
+    for clock, rel in (("fixed", 1e-12), ("auto", 1e-3)):
+        plain = load_cost_model(scenario(gpu_clock=clock))
+        slower = load_cost_model(scenario(gpu_clock=clock, step_time_scale=1.05))
+        assert slower.name == f"{plain.name}*1.05"
+        for items in ([(1023, 1, True)] * 8, [(0, 512, False)], [(0, 256, False), (511, 1, True)]):
+            for model in (plain, slower):
+                if hasattr(model, "reset"):          # the clock state starts at full clock
+                    model.reset()
+            plan = plan_of(items)
+            assert slower.predict(plan) == pytest.approx(1.05 * plain.predict(plan), rel=rel)
+        assert slower.describe()["step_time_scale"] == 1.05
+        assert slower.block_size == plain.block_size          # the inner model shows through
 
 
 def test_twice_the_step_times_serve_requests_at_zero_in_twice_the_time():
@@ -41,6 +46,24 @@ def test_twice_the_step_times_serve_requests_at_zero_in_twice_the_time():
     assert twice["sim_duration_s"] == pytest.approx(2 * once["sim_duration_s"], rel=1e-9)
     assert twice["ttft_s"]["mean"] == pytest.approx(2 * once["ttft_s"]["mean"], rel=1e-6)
     assert twice["cost_model"].endswith("*2")
+
+
+def test_under_the_clock_state_the_scale_stretches_the_steps_not_the_gaps_between_them():
+    # scaled from outside, the clock model would take each step's stretch for idle time and
+    # come back to full clock between steps that run back to back (1.956x instead of 2x)
+    base = {"workload.synthetic.num_requests": 200, "workload.synthetic.arrival.rate": 1e9}
+    once = simulate(scenario(**base)).summary
+    twice = simulate(scenario(**base, step_time_scale=2)).summary
+    assert twice["cost_model"].endswith("+clock*2")
+    assert twice["sim_duration_s"] == pytest.approx(2 * once["sim_duration_s"], rel=0.002)
+
+
+def test_the_host_term_the_diagnostics_read_is_scaled_too():
+    plan = plan_of([(1023, 1, True)] * 8)
+    for clock in ("auto", "fixed"):
+        plain = load_cost_model(scenario(gpu_clock=clock))
+        slower = load_cost_model(scenario(gpu_clock=clock, step_time_scale=1.5))
+        assert slower.host_seconds(plan) == pytest.approx(1.5 * plain.host_seconds(plan))
 
 
 @pytest.mark.parametrize("value", [0, -1, "fast", True])

@@ -12,10 +12,12 @@ from simkv.errors import InputError
 
 def load_cost_model(scenario):
     """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json; with
-    `step_time_scale` other than 1, its step times that many times (`simkv.costmodel.scaled`)."""
+    `step_time_scale` other than 1, its step times that many times (beneath the clock state
+    when there is one: `ClockedCostModel(scale=...)`, else `simkv.costmodel.scaled`)."""
+    from simkv.costmodel.clock import ClockedCostModel
     model = _load(scenario)
     scale = getattr(scenario, "step_time_scale", 1.0)
-    if scale != 1.0:
+    if scale != 1.0 and not isinstance(model, ClockedCostModel):   # that one takes the scale
         from simkv.costmodel.scaled import ScaledCostModel
         model = ScaledCostModel(model, scale)
     return model
@@ -71,7 +73,8 @@ def _serving_effects(profiled, scenario):
     clock = load_clock(profile_dir)
     if clock is None:
         return profiled
-    return ClockedCostModel(profiled, clock, scenario.model, str(profile_dir / CLOCK_FILE))
+    return ClockedCostModel(profiled, clock, scenario.model, str(profile_dir / CLOCK_FILE),
+                            scale=getattr(scenario, "step_time_scale", 1.0))
 
 
 def _roofline(scenario):

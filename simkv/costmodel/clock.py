@@ -166,13 +166,16 @@ class ClockedCostModel:
 
     is_estimate = False
 
-    def __init__(self, inner, clock: ClockModel, model, source: str = ""):
+    def __init__(self, inner, clock: ClockModel, model, source: str = "", scale: float = 1.0):
+        """`scale` (`step_time_scale`): a GPU whose every step takes that many times the
+        profile's, at full clock; the clock state follows the steps as they then take."""
         self.inner = inner
         self.clock = clock
         self.state = ClockState(clock)
         self.counts = model.forward_flops()
         self.source = source
-        self.name = f"{inner.name}+clock"
+        self.scale = float(scale)
+        self.name = f"{inner.name}+clock" + (f"*{self.scale:g}" if self.scale != 1.0 else "")
 
     def __getattr__(self, name):        # layout, engine_host, block_size... of the profile
         if name == "inner" or name.startswith("__"):     # (unpickling: no inner yet)
@@ -184,14 +187,17 @@ class ClockedCostModel:
         self.state.reset()
 
     def predict(self, plan) -> float:
-        around = self.inner.around_seconds(plan)
+        around = self.inner.around_seconds(plan) * self.scale
         forward = self.inner.forward_seconds(plan)
         if forward <= 0:
             return around
         full, settling = self.full_clock(forward, step_flops(plan, self.counts))
         # The forward is clocked from the step's start; the engine's host time, copies and swaps
         # (`around`, which run on the host or the copy engines) count as the GPU idling after it.
-        return self.state.run_step(plan.now_s, full, settling) + around
+        return self.state.run_step(plan.now_s, full * self.scale, settling) + around
+
+    def host_seconds(self, plan) -> float:
+        return self.inner.host_seconds(plan) * self.scale
 
     def full_clock(self, profiled_s: float, flops: float) -> tuple:
         """(full-clock seconds, settling MHz) of a composition the profile timed at its settling
@@ -208,6 +214,7 @@ class ClockedCostModel:
         out["name"] = self.name
         out["clock"] = dict(self.clock.to_dict(), source=self.source,
                             full_clock_times="profiled times at each settling clock")
+        out["step_time_scale"] = self.scale
         return out
 
 

@@ -7,9 +7,18 @@ TPOT -10% to +4% at load 0.6, -16% to -1% at 0.9). A sweep over the scale
 """
 from __future__ import annotations
 
+from functools import partial
+
+
+def _scaled(method, scale: float, plan) -> float:
+    return method(plan) * scale
+
 
 class ScaledCostModel:
-    """`inner`'s predictions times `scale`; everything else is `inner`'s."""
+    """`inner`'s predictions (and its engine host term, where it has one) times `scale`;
+    everything else is `inner`'s. A model with a clock state takes the scale itself
+    (`ClockedCostModel(scale=...)`): scaled from outside, its clock would see the stretch of
+    each step as idle time."""
 
     def __init__(self, inner, scale: float):
         self.inner = inner
@@ -19,7 +28,8 @@ class ScaledCostModel:
     def __getattr__(self, name):       # is_estimate, note, block_size... of the inner model
         if name == "inner" or name.startswith("__"):     # (unpickling: no inner yet)
             raise AttributeError(name)
-        return getattr(self.inner, name)
+        value = getattr(self.inner, name)
+        return partial(_scaled, value, self.scale) if name == "host_seconds" else value
 
     def reset(self) -> None:
         if hasattr(self.inner, "reset"):
