@@ -15,14 +15,13 @@ fits the share of a read from HBM that each repeated read saves:
 with a_dec(b) the profile's per-token decode cost at batch b and repeated_tokens the repeated
 reads: (holders - 1) x block_size summed over the blocks several tables of the batch hold (the
 members of a group sit next to each other in the batch, as the scheduler places a request's
-samples). Only the
-adjacent groups are fitted; groups spread over the batch are reported apart (pairs half a
-batch apart lose most of the saving: the model does not see placement).
+samples). Only the adjacent groups are fitted; groups spread over the batch are reported apart
+(pairs half a batch apart lose most of the saving: the model does not see placement).
 
 The result goes to `shared_reads.json` beside the profile's fit.json; the profiled model then
 charges decode reads as `decode_context_tokens - s * decode_shared_context_tokens` (the
-scheduler counts the latter from the KV manager's references beyond the first, over every
-running table: exact when every holder decodes, as forked samples do).
+scheduler counts the latter from the KV manager's references beyond the first, less the shares
+of the running tables outside the step's decodes).
 """
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ def fit_shared_reads(probe_dirs, profile_dir: Path) -> dict:
     med["step_error"] = (med["time_s"] + med["saving_s"] - med["predicted_saving_s"]) \
         / med["time_s"] - 1
     cases = [{"probe": r.probe, "batch": int(r.batch), "context": int(r.context),
-              "group": int(r.group),
-              "spread": bool(r.spread), "time_ms": round(1e3 * r.time_s, 3),
+              "group": int(r.group), "spread": bool(r.spread), "time_ms": round(1e3 * r.time_s, 3),
               "saving_ms": round(1e3 * r.saving_s, 3),
               "predicted_saving_ms": round(1e3 * r.predicted_saving_s, 3),
               "step_error": round(float(r.step_error), 4)} for r in med.itertuples()]

@@ -131,8 +131,8 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
     `rested`: then each composition again after REST_S of idle, RESTED_STEPS steps back to back,
     the fastest as `rested_s`. Meant as the light-work clock's times, it is not that: on the
     H200 decode batches came out 0-3% slower than in the grid, where they run at the top clock
-    (the clock climbing back from idle), prefill and mixed steps 4-6% faster (docs/profiling.md); a
-    diagnostic of the clock state, which no model uses."""
+    (the clock climbing back from idle), prefill and mixed steps 4-6% faster
+    (docs/profiling.md); a diagnostic of the clock state, which no model uses."""
     bs = executor.block_size
     tokens = _tokens(executor, rng)
     plans, graphed = [], []
@@ -167,7 +167,7 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
     return rows
 
 
-REST_S = 0.1            # the clock is back at its top within tens of ms of idle (clock probe)
+REST_S = 0.1            # the clock probe saw the SM clock back at its top within tens of ms
 RESTED_STEPS = 3
 
 
