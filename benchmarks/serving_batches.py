@@ -64,13 +64,16 @@ def dump(scenario_path: str, measured_dir: str, out: str, every: int) -> None:
 
 
 def _plan(contexts, tables, tokens, block_size):
-    """The decode step, with its repeated reads (blocks several of its tables hold) counted."""
+    """The decode step, with its repeated reads (blocks several of its tables hold) and the
+    first repeats among them (one per such block) counted."""
     from collections import Counter
     from simkv.gpu.profile_design import step_plan
     plan = step_plan([(c - 1, 1, True) for c in contexts], block_size, tables, tokens)
     holders = Counter(b for t in tables for b in t)
     plan.decode_shared_context_tokens = min(plan.decode_context_tokens, block_size * sum(
         n - 1 for n in holders.values()))
+    plan.decode_shared_block_tokens = min(plan.decode_shared_context_tokens, block_size * sum(
+        n > 1 for n in holders.values()))
     return plan
 
 

@@ -3,7 +3,8 @@
 Scenarios: tiny pools, n > 1, shared prefixes, tenants, cancellations at random times, both
 preemption modes and victim policies, both allocators, chunking on/off, prefix caching on/off.
 Each run must finish without an exception, leak nothing and account for every request, and
-every plan's count of repeated block reads among its decodes must equal a count over the tables.
+every plan's counts of repeated block reads among its decodes, and of the blocks two or more of
+them hold, must equal counts over the tables.
 
 Tenant isolation: with per-tenant scope no block is ever shared across tenants. `TenantIsolation`
 wraps the paged manager so that every prefix hit is checked twice: the hit block's hash was
@@ -78,8 +79,9 @@ class TenantIsolation:
 
 
 class SharedReadCount:
-    """Checks each plan's `decode_shared_context_tokens` (kept in O(1) by the KV manager) against
-    a count over the step's decode tables: per block, its decode holders beyond the first."""
+    """Checks each plan's `decode_shared_context_tokens` and `decode_shared_block_tokens` (kept
+    in O(1) by the KV manager) against counts over the step's decode tables: per block, its
+    decode holders beyond the first; the blocks two or more of them hold."""
 
     def __enter__(self):
         self.saved = Scheduler._finalise
@@ -98,6 +100,11 @@ class SharedReadCount:
                 plan.decode_context_tokens, repeats * sched.kv.block_size), \
                 f"step {plan.step}: {plan.decode_shared_context_tokens} repeated tokens " \
                 f"counted, {repeats} repeated blocks in the decode tables"
+            shared_blocks = sum(1 for count in holders.values() if count > 1)
+            assert plan.decode_shared_block_tokens == min(
+                plan.decode_shared_context_tokens, shared_blocks * sched.kv.block_size), \
+                f"step {plan.step}: {plan.decode_shared_block_tokens} first-repeat tokens " \
+                f"counted, {shared_blocks} blocks held by two or more decode tables"
 
         Scheduler._finalise = checked_finalise
         return self

@@ -42,6 +42,9 @@ class StepPlan:
     decode_shared_context_tokens: int = 0   # repeated reads: (holders - 1) x block_size summed
     # over the blocks several of the step's decode tables hold (the KV manager's count over every
     # table, less the shares of the other running tables: prefill chunks, sequences left out)
+    decode_shared_block_tokens: int = 0     # the first repeats among them: block_size x the
+    # blocks two or more of the step's decode tables hold (a pair's repeat saves more than each
+    # further repeat within a larger group)
     prefill_context_tokens: int = 0     # sum of prefill chunks' context lengths after the step
     prefill_attention_pairs: int = 0    # query-key pairs of prefill attention (causal)
     # memory operations the executor performs before the forward

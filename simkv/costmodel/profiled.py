@@ -104,10 +104,20 @@ class ProfiledCostModel:
 
     def use_shared_reads(self, shared_reads: dict | None) -> None:
         """A block that several decode sequences read (forks, prefix hits) is read again from
-        L2: each repeated read saves `shared_reads['saving']` of a read from HBM (a measurement
-        beside the fit, `simkv.costmodel.shared_reads`); None: repeats cost as much as any."""
+        L2: its first repeat saves `shared_reads['saving_first']` of a read from HBM, each
+        further repeat `shared_reads['saving_further']` (a measurement beside the fit,
+        `simkv.costmodel.shared_reads`; either missing: `shared_reads['saving']`, the one saving
+        for every repeat); None: repeats cost as much as any."""
+        saving = first = further = 0.0
+        if shared_reads is not None:
+            saving = shared_reads["saving"]
+            first = shared_reads.get("saving_first", saving)
+            further = shared_reads.get("saving_further", saving)
+            shared_reads = {**shared_reads, "saving_first": first, "saving_further": further}
         self.shared_reads = shared_reads
-        self._shared_saving = shared_reads["saving"] if shared_reads else 0.0
+        self._shared_saving = saving        # for plans that do not count the first repeats
+        self._shared_saving_first = first
+        self._shared_saving_further = further
 
     def _follow_scheduler(self, sched, model) -> None:
         """The step layout of an engine run with these scheduler settings (as the executor
@@ -325,8 +335,16 @@ class ProfiledCostModel:
         if seconds is None:
             seconds = self._linear_cache[rows] = self._linear(rows)
         if decodes:          # repeated reads of shared blocks save part of a read each
-            seconds += self.decode_token_seconds(decodes) * (decode_context - self._shared_saving
-                                                            * plan.decode_shared_context_tokens)
+            read = decode_context
+            repeats = plan.decode_shared_context_tokens
+            if repeats:
+                first = getattr(plan, "decode_shared_block_tokens", None)
+                if first is None:
+                    read -= self._shared_saving * repeats
+                else:
+                    read -= self._shared_saving_first * first \
+                        + self._shared_saving_further * (repeats - first)
+            seconds += self.decode_token_seconds(decodes) * read
         if self._a_long and decodes:
             if contexts is None and (layout.decode_tail_in_order or not longest):
                 contexts = [s.start + 1 for s in plan.scheduled]     # every item is a decode

@@ -19,6 +19,7 @@ class BlockPool:
         self.num_cached_free = 0          # free blocks that still hold a hash
         self.num_evictions = 0            # cached blocks reallocated (their hash dropped)
         self.num_shared_refs = 0          # references beyond the first, over all blocks
+        self.num_shared_blocks = 0        # blocks with more than one reference
 
     @property
     def num_free(self) -> int:
@@ -50,6 +51,8 @@ class BlockPool:
                 self.num_cached_free -= 1
             else:
                 self.num_shared_refs += 1
+                if ref_cnt[block] == 1:
+                    self.num_shared_blocks += 1
             ref_cnt[block] += 1
 
     def release(self, blocks_in_eviction_order) -> None:
@@ -60,6 +63,8 @@ class BlockPool:
             ref_cnt[block] -= 1
             if ref_cnt[block] > 0:
                 self.num_shared_refs -= 1
+                if ref_cnt[block] == 1:
+                    self.num_shared_blocks -= 1
             elif ref_cnt[block] == 0:
                 free_queue[block] = None
                 if self.block_hash[block] is not None:
@@ -67,6 +72,8 @@ class BlockPool:
 
     def add_refs(self, block: int, extra: int) -> None:
         """`extra` more references on an in-use block (tables swapped in together)."""
+        if self.ref_cnt[block] == 1 and extra > 0:
+            self.num_shared_blocks += 1
         self.ref_cnt[block] += extra
         self.num_shared_refs += extra
 
@@ -99,6 +106,8 @@ class BlockPool:
         assert all(r >= 0 for r in self.ref_cnt), "negative refcount"
         assert self.num_shared_refs == sum(r - 1 for r in self.ref_cnt if r > 1), \
             "shared-reference count"
+        assert self.num_shared_blocks == sum(1 for r in self.ref_cnt if r > 1), \
+            "shared-block count"
         assert len(self.free_queue) + sum(1 for r in self.ref_cnt if r > 0) == n
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"

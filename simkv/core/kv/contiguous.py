@@ -43,6 +43,10 @@ class ContiguousKVCacheManager:
 
     num_cached_free_blocks = 0
     num_shared_block_refs = 0        # every sequence has its own range
+    num_shared_blocks = 0
+
+    def shared_of(self, seqs) -> tuple:
+        return 0, 0
 
     def shared_refs_of(self, seqs) -> int:
         return 0

@@ -63,23 +63,42 @@ class PagedKVCacheManager:
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
 
-    def shared_refs_of(self, seqs) -> int:
-        """The part of `num_shared_block_refs` that `seqs`' tables account for: per block they
-        hold, min(how many of them hold it, its references beyond the first). What is left are
-        the repeats among the other tables."""
+    def shared_of(self, seqs) -> tuple:
+        """The parts of `num_shared_block_refs` and `num_shared_blocks` that `seqs`' tables
+        account for, as (refs, blocks). refs: per shared block they hold, min(how many of them
+        hold it, its references beyond the first); blocks: the shared blocks they hold that at
+        most one other table holds. What is left are the repeats among the other tables and the
+        blocks that two or more of those hold."""
         ref_cnt = self.pool.ref_cnt
         held: dict = {}
         for seq in seqs:
             for b in seq.block_table:
                 if ref_cnt[b] > 1:
                     held[b] = held.get(b, 0) + 1
-        return sum(min(count, ref_cnt[b] - 1) for b, count in held.items())
+        refs = blocks = 0
+        for b, count in held.items():
+            beyond_first = ref_cnt[b] - 1
+            if count >= beyond_first:
+                refs += beyond_first
+                blocks += 1
+            else:
+                refs += count
+        return refs, blocks
+
+    def shared_refs_of(self, seqs) -> int:
+        """The part of `num_shared_block_refs` that `seqs`' tables account for (`shared_of`)."""
+        return self.shared_of(seqs)[0]
 
     @property
     def num_shared_block_refs(self) -> int:
         """Device-block references beyond the first, over every table that holds blocks (forks,
         prefix-cache hits): sum of (holders - 1) over the blocks."""
         return self.pool.num_shared_refs
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Device blocks that two or more tables hold."""
+        return self.pool.num_shared_blocks
 
     def seq_slots(self, seq: Sequence) -> int:
         """Token slots held for a sequence (its table's blocks times the block size)."""
