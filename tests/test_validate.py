@@ -240,3 +240,29 @@ def test_the_comparison_simulates_the_pool_the_engine_served(measured, tmp_path)
     result = compare_validation(out, load_validation_scenario(sized), tmp_path / "v.json")
     assert result["simulated"]["num_blocks"] == result["measured"]["num_blocks"] == 256
     assert result["error"]["num_blocks"] > 1.0
+
+
+def test_the_decode_time_split_takes_the_preparation_out_of_the_span(tmp_path, capsys):
+    import pandas as pd
+    from simkv.validation.diagnostics import decode_time_split, main
+    steps = pd.DataFrame({"num_prefill_tokens": [0, 0, 512],
+                          "duration_s": [0.010, 0.012, 0.030],
+                          "span_s": [0.009, 0.011, 0.029],
+                          "prep_s": [0.0005, 0.0007, 0.002],
+                          "num_seqs": [10, 12, 3]})
+    split = decode_time_split(steps)       # the step with a prefill chunk is left out
+    assert split == {"steps": 2, "num_seqs_mean": 11.0, "duration_ms": 11.0, "gpu_ms": 9.4,
+                     "prep_ms": 0.6, "outside_ms": 1.0}
+    run = tmp_path / "measured" / "realtime"
+    run.mkdir(parents=True)
+    steps.to_csv(run / "steps.csv", index=False)
+    (tmp_path / "r.json").write_text(json.dumps({"measured_dir": str(tmp_path / "measured")}))
+    assert main(["--split", str(tmp_path / "r.json")]) == 0
+    assert "\t2\t11.0\t11.000\t9.400\t0.600\t1.000" in capsys.readouterr().out
+    # a run without the executor's columns, or no run where the result says: one line, exit 2
+    steps.drop(columns="prep_s").to_csv(run / "steps.csv", index=False)
+    (tmp_path / "gone.json").write_text(json.dumps({"measured_dir": str(tmp_path / "nowhere")}))
+    for bad in ("r.json", "gone.json"):
+        assert main(["--split", str(tmp_path / bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1

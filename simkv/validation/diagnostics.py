@@ -1,6 +1,7 @@
 """Per-step diagnostics of a validation: the cost model's error on the engine's own plans.
 
     python -m simkv.validation.diagnostics RESULT.json...     # served-step error per result
+    python -m simkv.validation.diagnostics --split RESULT.json...   # where decode steps' time went
 
 The simulator replays the engine's step times (`_PlanReplay`) so both keep the same schedule;
 each matched step's prediction is set against the step's duration and the executor span the
@@ -115,6 +116,25 @@ def step_diagnostics(scenario, frame, measured: dict, cost_model) -> dict:
     return out
 
 
+def decode_time_split(steps: pd.DataFrame) -> dict:
+    """Where a measured run's decode-only steps spent their time, per step on average (ms): the
+    device (`gpu`: the executor's CUDA-event span less the host input preparation inside it),
+    that preparation (`prep`), and the engine's host time outside the span (`outside`); with
+    the mean sequences per step. The lease-to-lease differences of the validation runs are
+    mostly in the two host terms."""
+    need = {"num_prefill_tokens", "duration_s", "span_s", "prep_s", "num_seqs"}
+    if not need <= set(steps.columns):
+        raise InputError(f"steps.csv needs columns {sorted(need)} (a run measured by "
+                         "python -m simkv.validate measure)")
+    dec = steps[steps["num_prefill_tokens"] == 0]
+    if dec.empty:
+        raise InputError("steps.csv has no decode-only step")
+    ms = lambda col: round(1e3 * float(col.mean()), 4)      # noqa: E731
+    return {"steps": int(len(dec)), "num_seqs_mean": round(float(dec["num_seqs"].mean()), 2),
+            "duration_ms": ms(dec["duration_s"]), "gpu_ms": ms(dec["span_s"] - dec["prep_s"]),
+            "prep_ms": ms(dec["prep_s"]), "outside_ms": ms(dec["duration_s"] - dec["span_s"])}
+
+
 def _fit_host_term(rows: pd.DataFrame) -> dict:
     """Least squares of the host time outside the executor span per step: c0_s + c_seq_s x
     sequences + c_prefill_token_s x prefill tokens (the term the profiled model lacks)."""
@@ -156,7 +176,14 @@ def main(argv=None) -> int:
                                      description="The served-step error of validation results "
                                                  "(real-time runs) and their mean.")
     parser.add_argument("results", nargs="+", help="validation result JSONs")
+    parser.add_argument("--split", action="store_true",
+                        help="instead: per result, the measured real-time run's decode-only "
+                             "steps split into device, host input preparation and host time "
+                             "outside the executor (ms per step; read from the result's "
+                             "measured_dir)")
     args = parser.parse_args(argv)
+    if args.split:
+        return _print_splits(args.results)
     errors = []
     try:
         for path in args.results:
@@ -172,6 +199,34 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"mean of {len(errors)}\t{100 * float(np.mean(errors)):.2f}%")
+    return 0
+
+
+def _print_splits(paths) -> int:
+    import sys
+    from pathlib import Path
+    from simkv.errors import read_json_object
+    print("result\tsteps\tseqs\tduration_ms\tgpu_ms\tprep_ms\toutside_ms")
+    try:
+        for path in paths:
+            result = read_json_object(path, "a result of python -m simkv.validate compare")
+            steps_csv = Path(str(result.get("measured_dir", ""))) / "realtime" / "steps.csv"
+            try:
+                steps = pd.read_csv(steps_csv)
+            except (OSError, ValueError) as e:
+                raise InputError(f"{path}: cannot read its measured run {steps_csv} "
+                                 f"({' '.join(str(e).split())}); run from the repository root"
+                                 ) from None
+            try:
+                split = decode_time_split(steps)
+            except InputError as e:
+                raise InputError(f"{steps_csv}: {e}") from None
+            print(f"{path}\t{split['steps']}\t{split['num_seqs_mean']:.1f}\t"
+                  f"{split['duration_ms']:.3f}\t{split['gpu_ms']:.3f}\t{split['prep_ms']:.3f}\t"
+                  f"{split['outside_ms']:.3f}")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
