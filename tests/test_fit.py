@@ -344,6 +344,7 @@ def test_quick_profile_runs_on_cpu_and_fits(tmp_path):
     assert set(steps["family"]) == {"decode", "prefill", "mixed"}
     assert (steps["time_s"] > 0).all()
     assert (steps["rested_s"] > 0).all()          # each composition again after a rest
+    assert ((steps["prep_s"] > 0) & (steps["prep_s"] < steps["time_s"])).all()   # inside it
     meta = json.loads((out / "meta.json").read_text())
     assert meta["model"] == "tiny" and meta["torch"] == torch.__version__
     fit = F.fit_profile(out)
@@ -393,3 +394,60 @@ def test_rested_times_are_reported_against_the_grid_and_change_no_model(tmp_path
     without = ProfiledCostModel(before, prof / "fit.json", block_size=16)
     model = ProfiledCostModel.load(prof / "fit.json", block_size=16)
     assert model.predict(plan) == without.predict(plan)
+
+
+def _serving_profile(tmp_path, rows=300):
+    """A synthetic profile with the grid's preparation (0.1 ms + 2 us per sequence) and a
+    serving pass whose host terms follow known coefficients (its warm-up steps far off)."""
+    prof = synthetic_profile(tmp_path)
+    steps = pd.read_csv(prof / "steps.csv")
+    steps["prep_s"] = 1e-4 + 2e-6 * (steps["num_prefill_seqs"] + steps["num_decode_seqs"])
+    steps.to_csv(prof / "steps.csv", index=False)
+    rng = np.random.default_rng(1)
+    n = rng.integers(1, 64, rows)
+    p = np.where(rng.random(rows) < 0.2, rng.integers(16, 2048, rows), 0)
+    serving = pd.DataFrame({"step": np.arange(1, rows + 1), "num_seqs": n,
+                            "num_prefill_tokens": p, "prep_s": 2e-4 + 4e-6 * n + 1e-8 * p,
+                            "outside_s": 1.5e-4 + 3e-6 * n + 5e-8 * p})
+    serving.loc[:F.SERVING_WARMUP_STEPS - 1, ["prep_s", "outside_s"]] = 0.5
+    serving.to_csv(prof / "serving_host.csv", index=False)
+    return prof
+
+
+def test_the_serving_pass_host_terms_are_fitted_and_charged(tmp_path):
+    from simkv.costmodel.profiled import ProfiledCostModel
+    from simkv.gpu.profile_design import step_plan
+    prof = _serving_profile(tmp_path)
+    fit = F.fit_profile(prof)["serving_host"]
+    for part, coefs in (("outside", (1.5e-4, 3e-6, 5e-8)), ("prep", (2e-4, 4e-6, 1e-8)),
+                        ("grid_prep", (1e-4, 2e-6, 0.0))):
+        got = [fit[part][k] for k in ("c0_s", "c_seq_s", "c_prefill_token_s")]
+        assert got == pytest.approx(coefs, rel=1e-3, abs=1e-12), part
+    model = ProfiledCostModel.load(prof, block_size=16)
+    plan = step_plan([(100, 1, True)] * 10, 16)
+    host = 1.5e-4 + 3e-6 * 10                  # outside, in place of the engine pass's term
+    delta = (2e-4 + 4e-6 * 10) - (1e-4 + 2e-6 * 10)
+    assert model.host_seconds(plan) == pytest.approx(host, rel=1e-3)
+    assert model.prep_delta_seconds(plan) == pytest.approx(delta, rel=1e-3)
+    assert model.predict(plan) == pytest.approx(model.forward_seconds(plan) + host + delta,
+                                                rel=1e-6)
+    # without the serving pass's file the model is what it was
+    (prof / "serving_host.csv").unlink()
+    F.fit_profile(prof)
+    plain = ProfiledCostModel.load(prof, block_size=16)
+    assert plain.serving_host is None and plain.prep_delta_seconds(plan) == 0.0
+    assert plain.predict(plan) == pytest.approx(model.forward_seconds(plan), rel=1e-9)
+
+
+def test_a_short_or_malformed_serving_pass_is_one_input_error(tmp_path):
+    from simkv.costmodel.profiled import ProfiledCostModel
+    prof = _serving_profile(tmp_path, rows=F.SERVING_WARMUP_STEPS + 2)
+    with pytest.raises(InputError, match=r"serving_host.csv: 7 steps"):
+        F.fit_profile(prof)
+    prof = _serving_profile(tmp_path / "b")
+    F.fit_profile(prof)
+    fit = json.loads((prof / "fit.json").read_text())
+    del fit["serving_host"]["prep"]
+    (prof / "fit.json").write_text(json.dumps(fit))
+    with pytest.raises(InputError, match="serving_host needs 'prep'"):
+        ProfiledCostModel.load(prof, block_size=16)

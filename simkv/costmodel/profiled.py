@@ -223,6 +223,23 @@ class ProfiledCostModel:
         self.engine_host = None if engine is None else {
             k: _numbers(_need(engine, k, path, "engine_host."), f"engine_host.{k}", path)[0]
             for k in ("c0_s", "c_seq_s", "c_prefill_token_s")}
+        # the host as the profile's serving pass measured it: outside the executor (instead of
+        # the offline pass's engine_host) and the input preparation inside it, against the
+        # preparation inside the profiled times (grid_prep)
+        serving = fit.get("serving_host")
+        self.serving_host = None
+        if serving is not None:
+            if not isinstance(serving, dict):
+                raise InputError(f"{path}: serving_host must be an object (re-run simkv fit)")
+            self.serving_host = {
+                part: {k: _numbers(_need(_need(serving, part, path, "serving_host."), k, path,
+                                         f"serving_host.{part}."),
+                                   f"serving_host.{part}.{k}", path)[0]
+                       for k in ("c0_s", "c_seq_s", "c_prefill_token_s")}
+                for part in ("outside", "prep", "grid_prep") if part in serving}
+            for part in ("outside", "prep"):
+                if part not in self.serving_host:
+                    raise InputError(f"{path}: serving_host needs '{part}' (re-run simkv fit)")
         shape = fit.get("model_shape")
         if model is not None and isinstance(shape, dict):
             diff = [k for k in SHAPE_KEYS if k in shape and getattr(model, k) != shape[k]]
@@ -375,15 +392,30 @@ class ProfiledCostModel:
     def host_seconds(self, plan) -> float:
         """The engine's host time around a step (scheduling, finishing it, metrics: outside the
         executor's span), from the profile's engine pass; 0 without one."""
-        if self.engine_host is None or not plan.scheduled:
+        if not plan.scheduled:
+            return 0.0
+        if self.serving_host is not None:
+            return engine_host_seconds(self.serving_host["outside"], len(plan.scheduled),
+                                       plan.num_prefill_tokens)
+        if self.engine_host is None:
             return 0.0
         return engine_host_seconds(self.engine_host, len(plan.scheduled),
                                    plan.num_prefill_tokens)
 
+    def prep_delta_seconds(self, plan) -> float:
+        """The host input preparation inside the executor's span as served (the serving pass)
+        less what the profiled times hold of it (the grid's); 0 without both."""
+        serving = self.serving_host
+        if serving is None or "grid_prep" not in serving or not plan.scheduled:
+            return 0.0
+        n, tokens = len(plan.scheduled), plan.num_prefill_tokens
+        return engine_host_seconds(serving["prep"], n, tokens) \
+            - engine_host_seconds(serving["grid_prep"], n, tokens)
+
     def around_seconds(self, plan) -> float:
         """Seconds of a step outside its forward pass: the engine's host time, block copies
         and swaps."""
-        seconds = self.host_seconds(plan)
+        seconds = self.host_seconds(plan) + self.prep_delta_seconds(plan)
         if plan.block_copies and self.copy is not None:
             seconds += transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)
         if plan.swap_out and "out" in self.swap:
@@ -409,6 +441,7 @@ class ProfiledCostModel:
             "formula": fit.get("formula"),
             "coefficients": self.coefs,
             "engine_host": self.engine_host,
+            "serving_host": self.serving_host,
             "shared_reads": self.shared_reads,
             "holdout_error": fit.get("holdout_error", {}),
         }

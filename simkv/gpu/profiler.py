@@ -1,8 +1,8 @@
 """The profiling pass: the real executor over a designed grid of step compositions.
 
     python -m simkv.gpu.profiler --model llama-3.1-8b [--block-sizes 8,16,32,64,128] [--out DIR]
-        [--parts steps,transfers,ledger,host_noise,engine[,rested]] [--time-budget-s S] [--quick]
-        [--fit]
+        [--parts steps,transfers,ledger,host_noise,engine[,rested][,serving]] [--time-budget-s S]
+        [--quick] [--fit]
 
 For each block size a fresh `GpuExecutor` (sample model, paged Triton kernels, CUDA graphs for
 decode-only steps as the engine runs them) executes synthetic StepPlans:
@@ -16,8 +16,11 @@ The step grid runs a warm-up round over the whole design, then `reps` rounds (at
 steps over 50 ms), interleaved so that each composition is timed after different ones, as in
 serving; the step time is the median of the executor's own CUDA-event span (`last_gpu_s`: host
 input building, the forward, sampling and the copy of the sampled tokens back, as in the
-engine). The `rested` part (a diagnostic, not in the default set) times each composition again
-after a short idle (`rested_s`; `simkv fit` reports its ratio to the grid's times). Block tables
+engine); `prep_s` is the median host input building inside that span. The `rested` part (a
+diagnostic, not in the default set) times each composition again after a short idle
+(`rested_s`; `simkv fit` reports its ratio to the grid's times). The `serving` part (not in the
+default set; with `engine`) serves a synthetic workload by the wall clock and keeps each step's
+host terms (serving_host.csv, `simkv.gpu.engine_pass.measure_serving_host`). Block tables
 are random permutations of the pool, whose K/V are random (never zeros). At block size 16 the
 profiler also measures the memory ledger (weights, activation peak against batched tokens,
 CUDA-graph pool and everything else) and repeats a few steps as they are and pinned to one CPU
@@ -45,8 +48,9 @@ import numpy as np
 
 from simkv.core.sizing import PROFILE_ENGINE_BATCHED_TOKENS
 from simkv.errors import InputError
-from simkv.gpu.engine_pass import (ENGINE_FIELDS, ENGINE_PASS_NOTE, measure_engine_host,
-                                   six_digits)
+from simkv.gpu.engine_pass import (ENGINE_FIELDS, ENGINE_PASS_NOTE, ENGINE_PASS_REQUESTS,
+                                   SERVING_FIELDS, SERVING_LOAD, measure_engine_host,
+                                   measure_serving_host, six_digits)
 from simkv.gpu.host import frozen_heap, host_conditions, pin_to_cpu
 from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features, step_plan
 
@@ -54,7 +58,7 @@ GIB = 1 << 30
 STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
                "num_prefill_seqs", "num_decode_seqs", "decode_context_tokens",
                "prefill_context_tokens", "prefill_attention_pairs", "decode_max_context",
-               "graph", "time_s", "time_p10_s", "time_p90_s", "wall_s", "reps"]
+               "graph", "time_s", "time_p10_s", "time_p90_s", "wall_s", "reps", "prep_s"]
 TRANSFER_FIELDS = ["block_size", "num_blocks", "bytes", "time_s", "time_p10_s", "time_p90_s",
                    "reps"]
 LEDGER_BLOCK_SIZE = 16
@@ -144,6 +148,7 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
         plans.append(plan)
     times = [[] for _ in points]
     walls = [[] for _ in points]
+    preps = [[] for _ in points]
     with frozen_heap():      # as the engine serves: the plans and executor out of collections
         for r in range(reps):
             for i, plan in enumerate(plans):
@@ -153,6 +158,7 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
                 executor.execute(plan)
                 walls[i].append(time.perf_counter() - t0)
                 times[i].append(executor.last_gpu_s)
+                preps[i].append(executor.last_prep_s)
         rested_s = [_rested_seconds(executor, plan) for plan in plans] if rested else None
     rows = []
     for i, point in enumerate(points):
@@ -160,6 +166,7 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
                **features(point.items), "graph": graphed[i]}
         row.update({k: (six_digits(v) if isinstance(v, float) else v)
                     for k, v in _summary(times[i], walls[i]).items()})
+        row["prep_s"] = six_digits(float(np.median(preps[i])))
         if rested:
             row["rested_s"] = six_digits(rested_s[i])
         rows.append(row)
@@ -373,7 +380,7 @@ def _write_csv(path: Path, rows: list, fields: list) -> None:
 
 
 PARTS = ("steps", "transfers", "ledger", "host_noise", "engine")      # the default set
-OPTIONAL_PARTS = ("rested",)
+OPTIONAL_PARTS = ("rested", "serving")
 NOISE_IDS = ("prefill/1x16+p0", "prefill/1x512+p0", "mixed/d32c1024/1x64+p0",
              "mixed/d128c1024/1x512+p2048", "decode/b64/c512")
 LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
@@ -386,7 +393,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     """Profile `model_name` (bundled name or config path) and write the raw data; returns the dir.
 
     `parts`: any of "steps" (the step grid, every block size), "rested" (with "steps": each
-    composition again after a rest, `rested_s`; a diagnostic), "transfers" (swaps and copies,
+    composition again after a rest, `rested_s`; a diagnostic), "serving" (with "engine", CUDA
+    only: the engine serving by the wall clock, serving_host.csv), "transfers" (swaps and copies,
     every block size), "ledger" and "host_noise" (CUDA only, at block size 16). `quick`: the CI
     smoke test (a handful of tiny compositions; use it with the `tiny` model on CPU, float64
     and the reference attention). Default out_dir: profiles/<gpu>/<model>/. The files are
@@ -415,7 +423,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     out = Path(out_dir) if out_dir is not None else None
     smi_before = _nvidia_smi() if cuda else {}
     data = {"steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": [],
-            "engine": [], "serving_ledger": None}
+            "engine": [], "serving_ledger": None, "serving": []}
+    serving_info = None
     graph_sizes, mixed_sizes, dtype, tile, prefill_tile = [], [], None, None, None
     done, longest = [], 0.0
     # The engine pass first: the serving engine's memory (its allocator slack at the peak is what
@@ -425,6 +434,13 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         data["engine"], data["serving_ledger"] = measure_engine_host(
             model, dev, seed, log, gpu=gpu_short_name(torch.cuda.get_device_name(dev)),
             max_num_seqs=MAX_NUM_SEQS)
+        if "serving" in parts:
+            # arrivals at SERVING_LOAD of what the offline pass served per second
+            offline_rps = ENGINE_PASS_REQUESTS / sum(float(r["duration_s"]) for r in data["engine"])
+            data["serving"], serving_info = measure_serving_host(
+                model, dev, seed, log, SERVING_LOAD * offline_rps,
+                gpu=gpu_short_name(torch.cuda.get_device_name(dev)), max_num_seqs=MAX_NUM_SEQS)
+            serving_info["offline_throughput_rps"] = round(offline_rps, 3)
     block_sizes = sorted(block_sizes, key=lambda b: b != LEDGER_BLOCK_SIZE)
     for bs in block_sizes:
         if time_budget_s and done and time.perf_counter() - started + longest > time_budget_s:
@@ -470,6 +486,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         meta = _meta(model, dev, dtype, sorted(done), quick, graph_sizes, command, smi_before)
         if data["engine"]:
             meta["engine_pass"] = ENGINE_PASS_NOTE
+        if serving_info is not None:
+            meta["serving_pass"] = serving_info
         meta.update(host_conditions=host_conditions(), parts=list(parts), decode_tile=tile,
                     prefill_tile=prefill_tile, max_num_seqs=MAX_NUM_SEQS,
                     mixed_token_sizes=list(mixed_sizes),
@@ -538,6 +556,8 @@ def _write(out: Path, meta: dict, data: dict) -> None:
         (out / "ledger.json").write_text(json.dumps(ledger, indent=1) + "\n")
     if data.get("engine"):
         _write_csv(out / "engine_host.csv", data["engine"], ENGINE_FIELDS)
+    if data.get("serving"):
+        _write_csv(out / "serving_host.csv", data["serving"], SERVING_FIELDS)
     if data["noise"]:
         _write_csv(out / "host_noise.csv", data["noise"],
                    ["condition", "id", "round", "rep", "time_s", "wall_s"])
@@ -573,6 +593,9 @@ def main(argv=None) -> int:
                      f"(choose from {', '.join(PARTS + OPTIONAL_PARTS)})")
     if "rested" in parts and "steps" not in parts:
         parser.error("the rested part times the step grid again: it needs the steps part")
+    if "serving" in parts and "engine" not in parts:
+        parser.error("the serving part sets its arrival rate from the engine pass: it needs the "
+                     "engine part")
     try:
         out = run_profile(args.model, sizes, args.out, args.quick, args.device,
                           reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,
