@@ -397,11 +397,16 @@ def test_rested_times_are_reported_against_the_grid_and_change_no_model(tmp_path
 
 
 def _serving_profile(tmp_path, rows=300):
-    """A synthetic profile with the grid's preparation (0.1 ms + 2 us per sequence) and a
+    """A synthetic profile with the grid's preparation (at block size 16: 0.1 ms + 2 us per
+    sequence; larger at 64, where the serving pass does not run), an offline engine pass, and a
     serving pass whose host terms follow known coefficients (its warm-up steps far off)."""
     prof = synthetic_profile(tmp_path)
     steps = pd.read_csv(prof / "steps.csv")
-    steps["prep_s"] = 1e-4 + 2e-6 * (steps["num_prefill_seqs"] + steps["num_decode_seqs"])
+    seqs = steps["num_prefill_seqs"] + steps["num_decode_seqs"]
+    steps["prep_s"] = np.where(steps["block_size"] == 16, 1e-4 + 2e-6 * seqs, 5e-4 + 9e-6 * seqs)
+    pd.DataFrame({"num_seqs": [1, 8, 64, 200], "num_prefill_tokens": [0, 100, 0, 500],
+                  "outside_s": [1e-3, 1e-3, 1e-3, 1e-3]}).to_csv(prof / "engine_host.csv",
+                                                                  index=False)
     steps.to_csv(prof / "steps.csv", index=False)
     rng = np.random.default_rng(1)
     n = rng.integers(1, 64, rows)
@@ -425,7 +430,7 @@ def test_the_serving_pass_host_terms_are_fitted_and_charged(tmp_path):
         assert got == pytest.approx(coefs, rel=1e-3, abs=1e-12), part
     model = ProfiledCostModel.load(prof, block_size=16)
     plan = step_plan([(100, 1, True)] * 10, 16)
-    host = 1.5e-4 + 3e-6 * 10                  # outside, in place of the engine pass's term
+    host = 1.5e-4 + 3e-6 * 10       # outside, in place of the engine pass's 1 ms
     delta = (2e-4 + 4e-6 * 10) - (1e-4 + 2e-6 * 10)
     assert model.host_seconds(plan) == pytest.approx(host, rel=1e-3)
     assert model.prep_delta_seconds(plan) == pytest.approx(delta, rel=1e-3)
@@ -436,7 +441,8 @@ def test_the_serving_pass_host_terms_are_fitted_and_charged(tmp_path):
     F.fit_profile(prof)
     plain = ProfiledCostModel.load(prof, block_size=16)
     assert plain.serving_host is None and plain.prep_delta_seconds(plan) == 0.0
-    assert plain.predict(plan) == pytest.approx(model.forward_seconds(plan), rel=1e-9)
+    assert plain.host_seconds(plan) == pytest.approx(1e-3, rel=1e-3)      # the engine pass's
+    assert plain.predict(plan) == pytest.approx(model.forward_seconds(plan) + 1e-3, rel=1e-3)
 
 
 def test_a_short_or_malformed_serving_pass_is_one_input_error(tmp_path):

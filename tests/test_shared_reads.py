@@ -128,14 +128,6 @@ def test_the_first_repeat_of_a_block_saves_its_own_share_and_further_repeats_the
     assert shared.describe()["shared_reads"]["saving_further"] == 0.4
 
 
-def test_a_plan_without_the_first_repeats_is_charged_the_one_saving(tmp_path):
-    plain, shared = shared_read_models(tmp_path, saving=0.5, saving_first=0.6,
-                                       saving_further=0.4)
-    plan = plan_of([(1023, 1, True)] * 4, decode_shared_context_tokens=2048)
-    del plan.decode_shared_block_tokens                # a plan from before the count
-    assert plain.predict(plan) - shared.predict(plan) == pytest.approx(1e-8 * 0.5 * 2048)
-
-
 def test_a_shared_reads_file_without_the_two_savings_gives_its_one_saving_to_both(tmp_path):
     (tmp_path / SHARED_READS_FILE).write_text(json.dumps(
         {"format": "simkv-shared-reads-1", "saving": 0.45}))

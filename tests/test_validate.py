@@ -259,7 +259,11 @@ def test_the_decode_time_split_takes_the_preparation_out_of_the_span(tmp_path, c
     (tmp_path / "r.json").write_text(json.dumps({"measured_dir": str(tmp_path / "measured")}))
     assert main(["--split", str(tmp_path / "r.json")]) == 0
     assert "\t2\t11.0\t11.000\t9.400\t0.600\t1.000" in capsys.readouterr().out
-    # a run without the executor's columns, or no run where the result says: one line, exit 2
+    # a run without the executor's columns or with a non-number in them, or no run where the
+    # result says: one line, exit 2
+    steps.assign(prep_s=["x", 0.1, 0.2]).to_csv(run.parent / "bad.csv", index=False)
+    with pytest.raises(InputError, match="column 'prep_s'"):
+        decode_time_split(pd.read_csv(run.parent / "bad.csv"))
     steps.drop(columns="prep_s").to_csv(run / "steps.csv", index=False)
     (tmp_path / "gone.json").write_text(json.dumps({"measured_dir": str(tmp_path / "nowhere")}))
     for bad in ("r.json", "gone.json"):

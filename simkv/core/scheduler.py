@@ -347,8 +347,9 @@ class Scheduler:
                 shared_blocks -= blocks
             bs = self.kv.block_size
             plan.decode_shared_context_tokens = min(decode_ctx, shared * bs)
-            plan.decode_shared_block_tokens = max(0, min(plan.decode_shared_context_tokens,
-                                                         shared_blocks * bs))
+            assert shared_blocks >= 0, "shared blocks among the decodes below zero"
+            plan.decode_shared_block_tokens = min(plan.decode_shared_context_tokens,
+                                                  shared_blocks * bs)
         plan.prefill_context_tokens = prefill_ctx
         plan.prefill_attention_pairs = pairs
         if self.kv.copies:

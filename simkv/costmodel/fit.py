@@ -55,6 +55,7 @@ import pandas as pd
 from simkv.costmodel.step_formula import (BATCH_KNOTS, FORMS, LOG_BATCH_KNOTS, StepLayout,
                                           hats, layout_from_meta, predict_step)
 from simkv.errors import InputError, read_json_object
+from simkv.gpu.engine_pass import ENGINE_PASS_BLOCK_SIZE
 
 FIT_FORMAT = "simkv-fit/1"
 STEP_COLUMNS = (
@@ -561,6 +562,7 @@ def rested_ratios(steps: pd.DataFrame) -> dict:
 
 
 SERVING_COLUMNS = ("num_seqs", "num_prefill_tokens", "prep_s", "outside_s")
+SERVING_BLOCK_SIZE = ENGINE_PASS_BLOCK_SIZE   # the serving pass runs at it
 SERVING_WARMUP_STEPS = 5      # the serving pass's first steps: a fresh engine's lazy set-up
 SERVING_TRIM_QUANTILE = 0.995  # steps above it (a host stall) are left out of its host fits
 
@@ -587,8 +589,9 @@ def fit_serving_host(serving: pd.DataFrame, steps: pd.DataFrame) -> dict:
     `outside` (the time outside the executor's span, which replaces `engine_host`) and `prep`
     (the host input preparation inside the span), each least squares over the pass's steps
     after SERVING_WARMUP_STEPS, less those above SERVING_TRIM_QUANTILE of it; and `grid_prep`,
-    the same form over the step grid's `prep_s` (the preparation inside the profiled times),
-    when steps.csv has it: a model then adds prep - grid_prep to every step."""
+    the same form over the step grid's `prep_s` (the preparation inside the profiled times) at
+    the serving pass's block size, when steps.csv has it: a model then adds prep - grid_prep to
+    every step (at any block size: the difference is measured at SERVING_BLOCK_SIZE only)."""
     rows = serving.iloc[SERVING_WARMUP_STEPS:]
     if len(rows) < 3:
         raise InputError(f"serving_host.csv: {len(serving)} steps; the serving pass needs more "
@@ -600,10 +603,13 @@ def fit_serving_host(serving: pd.DataFrame, steps: pd.DataFrame) -> dict:
     out = {"outside": fit_engine_host(trimmed("outside_s")),
            "prep": fit_engine_host(trimmed("prep_s"), "prep_s"),
            "rows": int(len(serving)), "warmup_steps": SERVING_WARMUP_STEPS,
+           "block_size": SERVING_BLOCK_SIZE,
            "trim_quantile": SERVING_TRIM_QUANTILE}
     for key in ("outside", "prep"):
         out[key].pop("formula")
-    if "prep_s" in steps.columns and pd.to_numeric(steps["prep_s"], errors="coerce").notna().all():
+    steps = steps[steps["block_size"] == SERVING_BLOCK_SIZE]
+    if len(steps) >= 3 and "prep_s" in steps.columns \
+            and pd.to_numeric(steps["prep_s"], errors="coerce").notna().all():
         grid = pd.DataFrame({"num_seqs": steps["num_prefill_seqs"] + steps["num_decode_seqs"],
                              "num_prefill_tokens": steps["num_prefill_tokens"],
                              "prep_s": pd.to_numeric(steps["prep_s"])})
@@ -659,9 +665,9 @@ def fit_profile(profile_dir, out=None) -> dict:
         fit["engine_host"] = fit_engine_host(read_csv(engine_path, ENGINE_COLUMNS))
     serving_path = profile_dir / "serving_host.csv"
     if serving_path.is_file():
+        serving = read_csv(serving_path, SERVING_COLUMNS)
         try:
-            fit["serving_host"] = fit_serving_host(read_csv(serving_path, SERVING_COLUMNS),
-                                                   steps)
+            fit["serving_host"] = fit_serving_host(serving, steps)
         except InputError as e:
             raise InputError(f"{profile_dir}/{e}") from None
     for name in ("swap", "copy"):

@@ -108,14 +108,13 @@ class ProfiledCostModel:
         further repeat `shared_reads['saving_further']` (a measurement beside the fit,
         `simkv.costmodel.shared_reads`; either missing: `shared_reads['saving']`, the one saving
         for every repeat); None: repeats cost as much as any."""
-        saving = first = further = 0.0
+        first = further = 0.0
         if shared_reads is not None:
             saving = shared_reads["saving"]
             first = shared_reads.get("saving_first", saving)
             further = shared_reads.get("saving_further", saving)
             shared_reads = {**shared_reads, "saving_first": first, "saving_further": further}
         self.shared_reads = shared_reads
-        self._shared_saving = saving        # for plans that do not count the first repeats
         self._shared_saving_first = first
         self._shared_saving_further = further
 
@@ -355,12 +354,9 @@ class ProfiledCostModel:
             read = decode_context
             repeats = plan.decode_shared_context_tokens
             if repeats:
-                first = getattr(plan, "decode_shared_block_tokens", None)
-                if first is None:
-                    read -= self._shared_saving * repeats
-                else:
-                    read -= self._shared_saving_first * first \
-                        + self._shared_saving_further * (repeats - first)
+                first = plan.decode_shared_block_tokens
+                read -= self._shared_saving_first * first \
+                    + self._shared_saving_further * (repeats - first)
             seconds += self.decode_token_seconds(decodes) * read
         if self._a_long and decodes:
             if contexts is None and (layout.decode_tail_in_order or not longest):
@@ -386,12 +382,14 @@ class ProfiledCostModel:
 
     def predict(self, plan) -> float:
         """Seconds for one step: block copies, swaps, the forward pass, and the engine's own
-        time around it (scheduling and finishing the step; `engine_host` in the fit)."""
+        time around it (scheduling and finishing the step: `engine_host` in the fit, or the
+        serving pass's `serving_host`, which also corrects the input preparation)."""
         return self.forward_seconds(plan) + self.around_seconds(plan)
 
     def host_seconds(self, plan) -> float:
         """The engine's host time around a step (scheduling, finishing it, metrics: outside the
-        executor's span), from the profile's engine pass; 0 without one."""
+        executor's span), from the profile's serving pass where it has one, else from its
+        offline engine pass; 0 without either."""
         if not plan.scheduled:
             return 0.0
         if self.serving_host is not None:
@@ -413,8 +411,9 @@ class ProfiledCostModel:
             - engine_host_seconds(serving["grid_prep"], n, tokens)
 
     def around_seconds(self, plan) -> float:
-        """Seconds of a step outside its forward pass: the engine's host time, block copies
-        and swaps."""
+        """Seconds of a step outside its profiled forward pass: the engine's host time, the
+        serving pass's input preparation less the grid's (0 without a serving pass), block
+        copies and swaps."""
         seconds = self.host_seconds(plan) + self.prep_delta_seconds(plan)
         if plan.block_copies and self.copy is not None:
             seconds += transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)

@@ -26,6 +26,7 @@ ENGINE_PASS_NOTE = ("engine_host.csv: the real engine (scheduler, KV manager, ex
                     "a synthetic workload offline at block size 16; per step the time outside "
                     "the executor's span (scheduling, finishing, metrics) = duration_s - exec_s")
 ENGINE_PASS_REQUESTS = 240
+ENGINE_PASS_BLOCK_SIZE = 16
 SERVING_FIELDS = ["step", "start_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
                   "preempted", "duration_s", "exec_s", "prep_s", "outside_s"]
 SERVING_LOAD = 0.6            # arrival rate of the serving pass / the offline pass's throughput
@@ -63,45 +64,72 @@ def engine_workload(num_requests: int, seed: int, rate_rps: float | None = None)
                        source="profiler", format="csv")
 
 
-def measure_engine_host(model, dev, seed: int, log, num_requests: int = ENGINE_PASS_REQUESTS,
-                        gpu: str = "h200", max_num_seqs: int = 256) -> tuple:
-    """(rows for engine_host.csv: the engine's time per step outside the executor's span,
-    the serving engine's memory ledger after the run: `MemoryLedger.report` without stages)."""
+def _pass_engine(model, dev, seed: int, name: str, gpu: str, max_num_seqs: int,
+                 num_blocks: int | None = None):
+    """The real engine as the passes run it: block size ENGINE_PASS_BLOCK_SIZE, prefix caching
+    on, a pool of `num_blocks` (default: half the free device memory, at most 40,000 blocks)."""
     from simkv.core.config import load_scenario
     from simkv.gpu.engine import Engine
-    from simkv.sim.setup import requests_from_frame
-    import torch
-    free, _ = torch.cuda.mem_get_info(dev)
-    blocks = int(min(40_000, 0.5 * free // (16 * model.kv_bytes_per_token("bf16"))))
+    if num_blocks is None:
+        import torch
+        free, _ = torch.cuda.mem_get_info(dev)
+        num_blocks = int(min(40_000, 0.5 * free // (ENGINE_PASS_BLOCK_SIZE
+                                                    * model.kv_bytes_per_token("bf16"))))
     scn = load_scenario({
-        "name": "profile-engine-pass", "model": model.name, "gpu": gpu, "seed": seed,
-        "cache": {"block_size": 16, "num_gpu_blocks_override": blocks,
+        "name": name, "model": model.name, "gpu": gpu, "seed": seed,
+        "cache": {"block_size": ENGINE_PASS_BLOCK_SIZE, "num_gpu_blocks_override": num_blocks,
                   "enable_prefix_caching": True},
         "scheduler": {"max_num_seqs": max_num_seqs,
                       "max_num_batched_tokens": PROFILE_ENGINE_BATCHED_TOKENS},
         "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
-    engine = Engine(scn, str(dev))
+    return Engine(scn, str(dev))
+
+
+def _release(dev) -> None:
+    gc.collect()            # the executor's graphs hold reference cycles
+    if dev.type == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+
+
+def _step_rows(engine, start: bool = False) -> list:
+    """Per step: sequences, tokens, preemptions, duration, the executor's span (exec_s), the
+    host input preparation inside it (with `start`: and the step's start, prep_s) and the time
+    outside it."""
+    steps = engine.recorder.steps_frame()
+    exec_s = np.asarray(engine.exec_s, dtype=np.float64)
+    gpu_s = np.asarray(engine.gpu_s, dtype=np.float64)
+    rows = []
+    for k, r in enumerate(steps.itertuples(index=False)):
+        row = {"step": int(r.step), "num_seqs": int(engine.num_seqs[k]),
+               "num_prefill_tokens": int(r.num_prefill_tokens),
+               "num_decode_tokens": int(r.num_decode_tokens),
+               "preempted": int(r.preempted), "duration_s": six_digits(r.duration_s),
+               "exec_s": six_digits(exec_s[k]),
+               "outside_s": six_digits(r.duration_s - exec_s[k])}
+        if start:
+            row["start_s"] = six_digits(r.start_s)
+            row["prep_s"] = six_digits(max(0.0, exec_s[k] - gpu_s[k]))
+        rows.append(row)
+    return rows
+
+
+def measure_engine_host(model, dev, seed: int, log, num_requests: int = ENGINE_PASS_REQUESTS,
+                        gpu: str = "h200", max_num_seqs: int = 256) -> tuple:
+    """(rows for engine_host.csv: the engine's time per step outside the executor's span,
+    the serving engine's memory ledger after the run: `MemoryLedger.report` without stages)."""
+    from simkv.sim.setup import requests_from_frame
+    engine = _pass_engine(model, dev, seed, "profile-engine-pass", gpu, max_num_seqs)
     t0 = time.perf_counter()
     engine.run(requests_from_frame(engine_workload(num_requests, seed)), realtime=False)
-    steps = engine.recorder.steps_frame()
-    steps["exec_s"] = engine.exec_s
-    steps["num_seqs"] = engine.num_seqs
-    rows = []
-    for r in steps.itertuples(index=False):
-        rows.append({"step": int(r.step), "num_seqs": int(r.num_seqs),
-                     "num_prefill_tokens": int(r.num_prefill_tokens),
-                     "num_decode_tokens": int(r.num_decode_tokens),
-                     "preempted": int(r.preempted), "duration_s": six_digits(r.duration_s),
-                     "exec_s": six_digits(r.exec_s),
-                     "outside_s": six_digits(r.duration_s - r.exec_s)})
+    rows = _step_rows(engine)
     ex = engine.executor
     ledger = {k: v for k, v in ex.ledger.report(ex.weight_bytes, ex.kv_pool_bytes, int(
         ex.profile.get("peak_bytes", 0))).items() if k != "stages"}
     log(f"  engine pass: {len(rows)} steps in {time.perf_counter() - t0:.0f} s; allocator slack "
         f"at the serving peak {ledger['unattributed_bytes'] / 2**30:.2f} GiB")
     del engine, ex
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release(dev)
     return rows, ledger
 
 
@@ -109,50 +137,23 @@ def measure_serving_host(model, dev, seed: int, log, rate_rps: float,
                          num_requests: int = SERVING_REQUESTS, gpu: str = "h200",
                          max_num_seqs: int = 256, num_blocks: int | None = None) -> tuple:
     """(rows for serving_host.csv, what the pass was): the engine serving `engine_workload` by
-    the wall clock at `rate_rps`; per step its duration, the executor's span, the host input
-    preparation inside the span and the time outside it. `num_blocks`: the pool (default: as
-    the offline pass sizes it on a CUDA device)."""
-    from simkv.core.config import load_scenario
-    from simkv.gpu.engine import Engine
+    the wall clock at `rate_rps`; per step its start and duration, the executor's span, the
+    host input preparation inside the span and the time outside it. `num_blocks`: the pool
+    (default: as the offline pass sizes it on a CUDA device)."""
     from simkv.sim.setup import requests_from_frame
-    import torch
-    if num_blocks is None:
-        free, _ = torch.cuda.mem_get_info(dev)
-        num_blocks = int(min(40_000, 0.5 * free // (16 * model.kv_bytes_per_token("bf16"))))
-    scn = load_scenario({
-        "name": "profile-serving-pass", "model": model.name, "gpu": gpu, "seed": seed,
-        "cache": {"block_size": 16, "num_gpu_blocks_override": num_blocks,
-                  "enable_prefix_caching": True},
-        "scheduler": {"max_num_seqs": max_num_seqs,
-                      "max_num_batched_tokens": PROFILE_ENGINE_BATCHED_TOKENS},
-        "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
-    engine = Engine(scn, str(dev))
+    engine = _pass_engine(model, dev, seed, "profile-serving-pass", gpu, max_num_seqs,
+                          num_blocks)
     frame = engine_workload(num_requests, seed, rate_rps)
     t0 = time.perf_counter()
     engine.run(requests_from_frame(frame), realtime=True)
-    steps = engine.recorder.steps_frame()
-    exec_s = np.asarray(engine.exec_s, dtype=np.float64)
-    gpu_s = np.asarray(engine.gpu_s, dtype=np.float64)
-    rows = []
-    for k, r in enumerate(steps.itertuples(index=False)):
-        rows.append({"step": int(r.step), "start_s": six_digits(r.start_s),
-                     "num_seqs": int(engine.num_seqs[k]),
-                     "num_prefill_tokens": int(r.num_prefill_tokens),
-                     "num_decode_tokens": int(r.num_decode_tokens),
-                     "preempted": int(r.preempted), "duration_s": six_digits(r.duration_s),
-                     "exec_s": six_digits(exec_s[k]),
-                     "prep_s": six_digits(max(0.0, exec_s[k] - gpu_s[k])),
-                     "outside_s": six_digits(r.duration_s - exec_s[k])})
-    span = float(frame["arrival_s"].max())
+    rows = _step_rows(engine, start=True)
     info = {"rate_rps": round(float(rate_rps), 4), "requests": int(num_requests),
-            "arrival_span_s": round(span, 3), "steps": len(rows),
+            "arrival_span_s": round(float(frame["arrival_s"].max()), 3), "steps": len(rows),
             "seconds": round(time.perf_counter() - t0, 1), "note": SERVING_PASS_NOTE}
     log(f"  serving pass: {len(rows)} steps at {rate_rps:.1f} requests/s in "
         f"{info['seconds']:.0f} s")
     del engine
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    _release(dev)
     return rows, info
 
 

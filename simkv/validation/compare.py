@@ -168,6 +168,8 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
                            for run in RUNS}
         # the engine's time outside the executor, as the profile's engine pass measured it
         result["steps"]["profile_engine_host"] = getattr(cost_model, "engine_host", None)
+        # and as its serving pass measured it (what the model charges instead, where present)
+        result["steps"]["profile_serving_host"] = getattr(cost_model, "serving_host", None)
     out = Path(out) if out is not None else (profiles_dir() / scn.gpu.name / scn.model.name
                                              / "validation" / f"{scn.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,10 @@ def decode_time_split(steps: pd.DataFrame) -> dict:
     if not need <= set(steps.columns):
         raise InputError(f"steps.csv needs columns {sorted(need)} (a run measured by "
                          "python -m simkv.validate measure)")
+    steps = steps[sorted(need)].apply(pd.to_numeric, errors="coerce")
+    if steps.isna().any().any():
+        bad = steps.columns[steps.isna().any()][0]
+        raise InputError(f"steps.csv column '{bad}' has empty or non-numeric values")
     dec = steps[steps["num_prefill_tokens"] == 0]
     if dec.empty:
         raise InputError("steps.csv has no decode-only step")
