@@ -20,7 +20,7 @@ def probe_parser(doc: str, reps: int = 12) -> argparse.ArgumentParser:
 
 def probe_executor(args, block_size: int, num_blocks: int | None = None) -> tuple:
     """(out folder, made; rng seeded 0; the profiler's executor; random token ids)."""
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.profiler import _tokens, profiling_executor
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with nvidia_smi_log(out / "smi.csv"):
-        from simkv.gpu.profile_design import MAX_CACHED_TOKENS
+        from simkv.profile.design import MAX_CACHED_TOKENS
         num_blocks = args.num_blocks
         if "profile" in phases:          # the design's largest composition, and ours beside it
             num_blocks = max(num_blocks, MAX_CACHED_TOKENS // BLOCK_SIZE + 2 * 256 + 64)
@@ -150,7 +150,7 @@ def main() -> None:
             run_for(LIGHT[2], 0.6)
         pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
         if "profile" in phases:
-            from simkv.gpu.profile_design import Point, design
+            from simkv.profile.design import Point, design
             from simkv.gpu.profiler import profile_block_size
             points = design() + [Point(name, "probe", [tuple(it) for it in items])
                                  for name, items in comps.items()]

@@ -49,8 +49,8 @@ def _cpu() -> int:
 def main() -> None:
     import pandas as pd
     import torch
-    from simkv.core.specs import load_model
-    from simkv.gpu.profile_design import design
+    from simkv.specs import load_model
+    from simkv.profile.design import design
     from simkv.gpu.executor import GpuExecutor
     from simkv.gpu.host import nvidia_smi_log
     from simkv.gpu.profiler import _plan, _tokens

@@ -63,8 +63,8 @@ def copy_bandwidth(device) -> float:
 
 def decode_plan(batch: int, context: int, block_size: int, vocab: int, first_block: int):
     """A StepPlan decoding `batch` sequences of `context` tokens (blocks laid out in order)."""
-    from simkv.core.plan import ScheduledSeq, StepPlan
-    from simkv.core.request import Request, Sequence
+    from simkv.engine.plan import ScheduledSeq, StepPlan
+    from simkv.engine.request import Request, Sequence
     blocks = -(-context // block_size)
     gen = torch.Generator().manual_seed(batch)
     plan = StepPlan(step=1, now_s=0.0)
@@ -108,7 +108,7 @@ def engine_steps(executor, model: str, batch: int, context: int, block_size: int
                  output_tokens: int) -> dict:
     """Medians over the decode-only steps of a real engine run of `batch` requests."""
     import simkv
-    from simkv.core.request import Request
+    from simkv.engine.request import Request
     from simkv.gpu.engine import run_offline
     raw = {"name": "engine-step", "model": model, "gpu": "h200",
            "cache": {"block_size": block_size, "num_gpu_blocks_override": executor.num_blocks,
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
 
     import triton
 
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.executor import GpuExecutor
 
     device = torch.device("cuda")

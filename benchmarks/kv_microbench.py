@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simkv.core.kv.contiguous import ContiguousKVCacheManager  # noqa: E402
-from simkv.core.kv.hashing import hash_root  # noqa: E402
-from simkv.core.kv.manager import PagedKVCacheManager  # noqa: E402
-from simkv.core.request import Request, Sequence  # noqa: E402
+from simkv.engine.kv.contiguous import ContiguousKVCacheManager  # noqa: E402
+from simkv.engine.kv.hashing import hash_root  # noqa: E402
+from simkv.engine.kv.paged import PagedKVCacheManager  # noqa: E402
+from simkv.engine.request import Request, Sequence  # noqa: E402
 
 BS = 16
 

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.profiler import _plan, _tokens, profiling_executor
 
     bs = 16

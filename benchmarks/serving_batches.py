@@ -32,9 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def dump(scenario_path: str, measured_dir: str, out: str, every: int) -> None:
-    from simkv.core.config import load_scenario, with_overrides
+    from simkv.config.scenario import load_scenario, with_overrides
     from simkv.sim.engine import simulate
-    from simkv.sim.setup import build_cost_model, load_requests_frame
+    from simkv.costmodel import load_cost_model
+    from simkv.workload.frames import load_requests_frame
     from simkv.validation.data import read_run
     from simkv.validation.diagnostics import _PlanReplay
     measured = Path(measured_dir)
@@ -58,7 +59,7 @@ def dump(scenario_path: str, measured_dir: str, out: str, every: int) -> None:
                                 "num_blocks": scn.cache.num_gpu_blocks_override})
             return super().predict(plan)
 
-    simulate(scn, trace_df=frame, cost_model=Recorder(build_cost_model(scn), run["steps"]))
+    simulate(scn, trace_df=frame, cost_model=Recorder(load_cost_model(scn), run["steps"]))
     Path(out).write_text(json.dumps({"scenario": scenario_path, "batches": batches}))
     print(f"{len(batches)} decode batches written to {out}")
 
@@ -67,7 +68,7 @@ def _plan(contexts, tables, tokens, block_size):
     """The decode step, with its repeated reads (blocks several of its tables hold) and the
     first repeats among them (one per such block) counted."""
     from collections import Counter
-    from simkv.gpu.profile_design import step_plan
+    from simkv.profile.design import step_plan
     plan = step_plan([(c - 1, 1, True) for c in contexts], block_size, tables, tokens)
     holders = Counter(b for t in tables for b in t)
     plan.decode_shared_context_tokens = min(plan.decode_context_tokens, block_size * sum(
@@ -79,7 +80,7 @@ def _plan(contexts, tables, tokens, block_size):
 
 def time_batches(path: str, out_dir: str, device: str) -> None:
     import pandas as pd
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.profiler import _tokens, profiling_executor
     data = json.loads(Path(path).read_text())
     out = Path(out_dir)
@@ -117,7 +118,7 @@ def time_batches(path: str, out_dir: str, device: str) -> None:
 
 def report(path: str, steps_csv: str) -> None:
     import pandas as pd
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.costmodel.profiled import ProfiledCostModel
     data = json.loads(Path(path).read_text())
     df = pd.read_csv(steps_csv).groupby(["step", "block_size", "layout"])["time_s"].median() \

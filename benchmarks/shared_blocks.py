@@ -34,7 +34,7 @@ def batch(b: int, ctx: int, group: int, spread: bool, perm, tokens):
     """A decode StepPlan of b sequences of context ctx; members of a group of `group` share
     their tables but for the last OWN_TOKENS tokens (group 1: nothing shared; group b: one
     prefix for all)."""
-    from simkv.gpu.profile_design import step_plan
+    from simkv.profile.design import step_plan
     shared_blocks = (ctx - OWN_TOKENS) // BLOCK_SIZE if group > 1 else 0
     total_blocks = -(-ctx // BLOCK_SIZE)
     num_groups = b // group

@@ -35,9 +35,9 @@ cost_model: auto
 cache: {{block_size: 16}}
 workload: {{trace: {TRACE}}}
 """
-COMPONENTS = [("scheduler", "simkv/core/scheduler.py"), ("kv manager", "simkv/core/kv/"),
-              ("metrics", "simkv/core/metrics.py"), ("cost model", "simkv/costmodel/"),
-              ("sim loop", "simkv/sim/engine.py"), ("traces", "simkv/core/traces.py"),
+COMPONENTS = [("scheduler", "simkv/engine/scheduler.py"), ("kv manager", "simkv/core/kv/"),
+              ("metrics", "simkv/engine/metrics.py"), ("cost model", "simkv/costmodel/"),
+              ("sim loop", "simkv/sim/engine.py"), ("traces", "simkv/workload/traces.py"),
               ("simpy", "simpy/"), ("pandas/numpy", "pandas/"), ("pandas/numpy", "numpy/")]
 
 

@@ -49,7 +49,7 @@ def _decode_mixes(rng) -> dict:
 
 def measure(out: Path) -> None:
     import pandas as pd
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.profiler import _plan, _time, _tokens, profiling_executor
 
     ex = profiling_executor(load_model(MODEL), 40_000, BLOCK_SIZE, "cuda")
@@ -86,7 +86,7 @@ def compare(folder: Path) -> None:
     import pandas as pd
     from simkv.costmodel import step_formula as SF
     from simkv.costmodel.profiled import ProfiledCostModel
-    from simkv.gpu.profile_design import features
+    from simkv.profile.design import features
 
     model = ProfiledCostModel.load(ROOT / "profiles" / "h200" / MODEL, block_size=BLOCK_SIZE)
     layout = model.layout

@@ -8,9 +8,8 @@ Importing simkv never imports torch (only simkv.gpu does, and only when used).
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from simkv.core.config import load_scenario  # noqa: E402
+from simkv._version import __version__
+from simkv.config.scenario import load_scenario
 
 
 def simulate(scenario, **kwargs):

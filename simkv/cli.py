@@ -101,9 +101,9 @@ def size(
     as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
 ) -> None:
     """KV sizing arithmetic and pool size for a model on a GPU."""
-    from simkv.core.config import CacheConfig, SchedulerConfig
-    from simkv.core.sizing import fit_error, size_pool
-    from simkv.core.specs import KV_DTYPE_BYTES, load_gpu, load_model
+    from simkv.config.scenario import CacheConfig, SchedulerConfig
+    from simkv.sizing import fit_error, size_pool
+    from simkv.specs import KV_DTYPE_BYTES, load_gpu, load_model
 
     if block_size <= 0 or block_size & (block_size - 1):
         raise InputError(f"--block-size: {block_size} is not a positive power of two (8, 16, 32, ...)")
@@ -174,8 +174,8 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Simulate one scenario: print a summary, write summary.json, requests.csv, steps.csv."""
-    import simkv
-    from simkv.core.config import load_scenario, parse_set
+    from simkv.config.scenario import load_scenario, parse_set
+    from simkv.sim.engine import simulate
 
     overrides = parse_set(set_)
     if trace is not None:
@@ -185,7 +185,7 @@ def run(
         overrides["workload.format"] = trace_format
     scn = load_scenario(scenario, overrides)
     _require("simkv.sim.engine", "simulate", "run")
-    result = simkv.simulate(scn, progress=not as_json)
+    result = simulate(scn, progress=not as_json)
     out_dir = out if out is not None else Path("results") / scn.name
     result.write(out_dir)
     if as_json:
@@ -233,8 +233,8 @@ def trace_stats(
 ) -> None:
     """Request count, duration, rate and token-length percentiles of a trace."""
     _check_format(fmt)
-    load_trace = _require("simkv.core.traces", "load_trace", "trace stats")
-    stats_of = _require("simkv.core.traces", "trace_stats", "trace stats")
+    load_trace = _require("simkv.workload.traces", "load_trace", "trace stats")
+    stats_of = _require("simkv.workload.traces", "trace_stats", "trace stats")
     stats = stats_of(load_trace(path, format=fmt))
     if as_json:
         _print_json(stats)
@@ -267,8 +267,8 @@ def trace_convert(
 ) -> None:
     """Convert a trace to the canonical CSV (arrival_s, prompt_tokens, output_tokens, ...)."""
     _check_format(fmt)
-    load_trace = _require("simkv.core.traces", "load_trace", "trace convert")
-    write_canonical = _require("simkv.core.traces", "write_canonical", "trace convert")
+    load_trace = _require("simkv.workload.traces", "load_trace", "trace convert")
+    write_canonical = _require("simkv.workload.traces", "write_canonical", "trace convert")
     df = load_trace(path, format=fmt)
     write_canonical(df, out)
     _console().print(f"wrote {len(df):,} requests to {out}")
@@ -340,7 +340,7 @@ def replay(
     """Run a scenario on the real engine (arrivals by the wall clock); same files as `run`."""
     if device not in ("cuda", "cpu"):
         raise InputError(f"--device: {device!r} is not one of cuda, cpu")
-    from simkv.core.config import load_scenario, parse_set
+    from simkv.config.scenario import load_scenario, parse_set
 
     scn = load_scenario(scenario, parse_set(set_))
     try:
@@ -386,7 +386,7 @@ def fit(
     as_json: bool = typer.Option(False, "--json", help="Print the fit as JSON."),
 ) -> None:
     """Fit the step-cost model to a profile's raw measurements (fit.json)."""
-    fit_profile = _require("simkv.costmodel.fit", "fit_profile", "fit")
+    fit_profile = _require("simkv.fitting.fit", "fit_profile", "fit")
     result = fit_profile(profile_dir, out=out)
     if as_json:
         _print_json(result)

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
             if args.gpu_clock is not None:
                 overrides["gpu_clock"] = args.gpu_clock
             if overrides:
-                from simkv.core.config import with_overrides
+                from simkv.config.scenario import with_overrides
                 scn = with_overrides(scn, overrides)
             result = compare_validation(args.measured, scn, args.out,
                                         calibrate=args.calibrate_saturated,

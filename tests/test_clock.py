@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from simkv.core.config import load_scenario
-from simkv.core.specs import load_model
+from simkv.config.scenario import load_scenario
+from simkv.specs import load_model
 from simkv.costmodel import load_cost_model
 from simkv.costmodel.clock import (CLOCK_FILE, ClockedCostModel, ClockModel, ClockState,
                                    step_flops)
@@ -183,7 +183,7 @@ def test_long_prompts_arriving_apart_prefill_faster_than_the_profile_timed_them(
 
 
 def test_the_committed_clock_model_refits_from_its_committed_probe():
-    from simkv.costmodel.clock_fit import fit_clock
+    from simkv.fitting.clock import fit_clock
     committed = json.loads((PROFILE / CLOCK_FILE).read_text())
     probes = [ROOT / p for p in committed["fit"]["probes"]]
     assert len(probes) == 3                            # three leases of the GPU
@@ -199,7 +199,7 @@ def test_the_committed_clock_model_refits_from_its_committed_probe():
 
 
 def test_a_probe_folder_without_its_metadata_is_refused_naming_the_file(tmp_path):
-    from simkv.costmodel.clock_fit import read_probe
+    from simkv.fitting.clock import read_probe
     source = PROFILE / "probes" / "clock"
     for name in ("steps.csv", "smi.csv"):
         (tmp_path / name).write_bytes((source / name).read_bytes())

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simkv.core.config import (
+from simkv.config.scenario import (
     CacheConfig,
     SchedulerConfig,
     apply_overrides,
@@ -14,7 +14,7 @@ from simkv.core.config import (
     scenario_to_dict,
     with_overrides,
 )
-from simkv.core.specs import profiles_dir
+from simkv.specs import profiles_dir
 from simkv.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,9 +2,9 @@
 
 Numbers: block size 16, max_model_len 64, so a slab is 4 blocks.
 """
-from simkv.core.kv.contiguous import ContiguousKVCacheManager
-from simkv.core.request import Request, Sequence
-from simkv.core.scheduler import Scheduler
+from simkv.engine.kv.contiguous import ContiguousKVCacheManager
+from simkv.engine.request import Request, Sequence
+from simkv.engine.scheduler import Scheduler
 
 BS = 16
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():   # the kernels (triton test below) need the i
 pytest.importorskip("triton")
 
 import simkv  # noqa: E402
-from simkv.core.traces import build_trace  # noqa: E402
+from simkv.workload.traces import build_trace  # noqa: E402
 from simkv.gpu.engine import replay, requests_from_frame, run_offline  # noqa: E402
 from simkv.gpu.tokens import prompt_token_ids  # noqa: E402
 
@@ -143,7 +143,7 @@ def test_engine_steps_match_the_simulator(config, runs):
 
 
 def test_poisoning_turns_a_missed_copy_on_write_into_an_error(monkeypatch):
-    from simkv.core.kv.manager import PagedKVCacheManager
+    from simkv.engine.kv.paged import PagedKVCacheManager
     monkeypatch.setattr(PagedKVCacheManager, "take_copies", lambda self: [])
     with pytest.raises(FloatingPointError):
         run_offline(scenario(), workload(), dtype=torch.float64, attention="reference",
@@ -204,7 +204,7 @@ def test_graphed_static_inputs_reproduce_the_eager_tokens(config, runs):
 
 
 def test_mixed_steps_too_large_for_a_graph_run_eagerly():
-    from simkv.gpu import launch_policy
+    from simkv.engine import launch_policy
     scn = scenario(**{"scheduler.max_num_batched_tokens": 32})
     executor = graphed_cpu_executor(scn, dtype=torch.float64, attention="reference")
     steps = executor.steps
@@ -265,7 +265,7 @@ def test_realtime_replay_honours_arrivals_and_cancellations():
 
 
 def test_llama3_rope_scaling_slows_only_the_low_frequencies():
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.model import rope_inv_freq
     spec = load_model("llama-3.1-8b")
     scaled = rope_inv_freq(spec)
@@ -367,7 +367,7 @@ def test_pinning_to_an_allowed_cpu_pins_and_a_system_without_affinity_says_so(mo
 
 
 def test_the_serving_pass_times_the_host_around_real_time_steps():
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     from simkv.gpu.engine_pass import SERVING_FIELDS, measure_serving_host
     rows, info = measure_serving_host(load_model("tiny"), torch.device("cpu"), 0,
                                       lambda *a: None, rate_rps=2.0, num_requests=6,

@@ -1,4 +1,4 @@
-"""Fitting the profiled cost model (simkv.costmodel.fit) from raw profile CSVs.
+"""Fitting the profiled cost model (simkv.fitting.fit) from raw profile CSVs.
 
 Synthetic profiles are generated from known coefficients over the profiler's own design grid,
 so the fit must give those coefficients back; the committed H200 profiles must refit to their
@@ -12,13 +12,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simkv.costmodel import calibrate as C
-from simkv.costmodel import fit as F
+from simkv.fitting import roofline as C
+from simkv.fitting import fit as F
 from simkv.costmodel import step_formula as SF
 from simkv.costmodel.roofline import RooflineCostModel, RooflineParams
-from simkv.core.specs import load_gpu, load_model, profiles_dir
+from simkv.specs import load_gpu, load_model, profiles_dir
 from simkv.errors import InputError
-from simkv.gpu.profile_design import design, features
+from simkv.profile.design import design, features
 
 GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # token knots up to the design's largest step, as the fit derives them
@@ -275,7 +275,7 @@ def test_decode_tail_in_launch_order_list_schedules_the_batch_on_group_slots():
 
 
 def test_the_fit_takes_decode_slots_by_cross_validation_on_training_rows():
-    from simkv.costmodel.fit import DECODE_SLOTS
+    from simkv.fitting.fit import DECODE_SLOTS
     path = profiles_dir() / "h200" / "llama-3.1-8b" / "fit.json"
     if not path.is_file():
         pytest.skip("no committed llama-3.1-8b profile")
@@ -288,7 +288,7 @@ def test_the_fit_takes_decode_slots_by_cross_validation_on_training_rows():
 
 
 def test_the_cost_model_and_the_kernel_share_one_split_rule():
-    from simkv.gpu import launch_policy
+    from simkv.engine import launch_policy
     pytest.importorskip("triton")
     from simkv.gpu.kernels import decode
     assert decode.decode_num_splits is launch_policy.decode_num_splits
@@ -421,7 +421,7 @@ def _serving_profile(tmp_path, rows=300):
 
 def test_the_serving_pass_host_terms_are_fitted_and_charged(tmp_path):
     from simkv.costmodel.profiled import ProfiledCostModel
-    from simkv.gpu.profile_design import step_plan
+    from simkv.profile.design import step_plan
     prof = _serving_profile(tmp_path)
     fit = F.fit_profile(prof)["serving_host"]
     for part, coefs in (("outside", (1.5e-4, 3e-6, 5e-8)), ("prep", (2e-4, 4e-6, 1e-8)),

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import simkv
-from simkv.core.kv.manager import PagedKVCacheManager
-from simkv.core.scheduler import Scheduler
-from simkv.core.traces import build_trace, load_trace
+from simkv.engine.kv.paged import PagedKVCacheManager
+from simkv.engine.scheduler import Scheduler
+from simkv.workload.traces import build_trace, load_trace
 from simkv.sim.engine import Simulation
 
 EXAMPLES = int(os.environ.get("SIMKV_FUZZ_EXAMPLES", "100"))

@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from simkv.core.plan import ScheduledSeq, StepPlan  # noqa: E402
-from simkv.core.request import Sequence  # noqa: E402
-from simkv.core.specs import load_model  # noqa: E402
+from simkv.engine.plan import ScheduledSeq, StepPlan  # noqa: E402
+from simkv.engine.request import Sequence  # noqa: E402
+from simkv.specs import load_model  # noqa: E402
 from simkv.gpu.executor import GpuExecutor  # noqa: E402
 
 BLOCK, NUM_BLOCKS, MAX_LEN, MAX_TOKENS, MAX_SEQS = 4, 160, 64, 32, 8

@@ -6,9 +6,9 @@ id, so ids (0, 1, 2, ...) shared by two prompts mean their first tokens are equa
 """
 import pytest
 
-from simkv.core.kv.hashing import hash_root
-from simkv.core.kv.manager import PagedKVCacheManager
-from simkv.core.request import Request, Sequence
+from simkv.engine.kv.hashing import hash_root
+from simkv.engine.kv.paged import PagedKVCacheManager
+from simkv.engine.request import Request, Sequence
 
 BS = 16
 

@@ -20,9 +20,9 @@ import os
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from simkv.core.kv.hashing import hash_root
-from simkv.core.kv.manager import PagedKVCacheManager
-from simkv.core.request import Request, Sequence
+from simkv.engine.kv.hashing import hash_root
+from simkv.engine.kv.paged import PagedKVCacheManager
+from simkv.engine.request import Request, Sequence
 
 BS = 4
 NUM_BLOCKS = 14

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import simkv
-from simkv.core.traces import build_trace
+from simkv.workload.traces import build_trace
 from simkv.sim.engine import simulate
 
 

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from simkv.core.plan import ScheduledSeq, StepPlan
-from simkv.core.request import Sequence
-from simkv.core.specs import load_gpu, load_model
+from simkv.engine.plan import ScheduledSeq, StepPlan
+from simkv.engine.request import Sequence
+from simkv.specs import load_gpu, load_model
 from simkv.costmodel.profiled import ProfiledCostModel, find_profile
 from simkv.errors import InputError
 
@@ -211,7 +211,7 @@ def test_the_committed_8b_profile_predicts_its_measured_decode_step():
 def test_the_model_predicts_what_the_fit_predicted_for_every_profiled_composition(model):
     # (the 1B's fit has a prefill tail term, the 8B's none)
     from simkv.costmodel import step_formula as SF
-    from simkv.gpu.profile_design import design, features
+    from simkv.profile.design import design, features
     path = find_profile("h200", model)
     if path is None:
         pytest.skip(f"no committed {model} profile")
@@ -269,7 +269,7 @@ def test_the_engine_host_term_is_added_to_every_step(tmp_path):
 def test_fit_engine_host_recovers_the_terms_of_the_engine_pass():
     import numpy as np
     import pandas as pd
-    from simkv.costmodel.fit import fit_engine_host
+    from simkv.fitting.fit import fit_engine_host
     rng = np.random.default_rng(3)
     seqs = rng.integers(1, 256, 400)
     prefill = np.where(rng.random(400) < 0.3, rng.integers(16, 8192, 400), 0)

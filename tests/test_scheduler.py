@@ -5,10 +5,10 @@ size 16 throughout. `scheduled(plan)` lists (request id, tokens) in plan order.
 """
 import pytest
 
-from simkv.core.kv.contiguous import ContiguousKVCacheManager
-from simkv.core.kv.manager import PagedKVCacheManager
-from simkv.core.request import Request, RequestStatus
-from simkv.core.scheduler import Scheduler
+from simkv.engine.kv.contiguous import ContiguousKVCacheManager
+from simkv.engine.kv.paged import PagedKVCacheManager
+from simkv.engine.request import Request, RequestStatus
+from simkv.engine.scheduler import Scheduler
 
 BS = 16
 

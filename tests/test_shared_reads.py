@@ -8,7 +8,7 @@ import pytest
 from simkv.costmodel.profiled import ProfiledCostModel
 from simkv.costmodel.shared_reads import (SHARED_READS_FILE, first_repeat_tokens,
                                           load_shared_reads, repeated_tokens)
-from simkv.core.kv.manager import PagedKVCacheManager
+from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.errors import InputError
 from tests.test_kv_manager import BS, admit, finish_prompt, fork, make_request, make_seq
 from tests.test_profiled_costmodel import plan_of, write_fit
@@ -224,7 +224,7 @@ def test_a_probe_of_pairs_only_gives_its_one_saving_to_both(tmp_path):
 
 
 def test_the_bundled_profile_is_simulated_with_its_shared_read_saving():
-    from simkv.core.config import load_scenario
+    from simkv.config.scenario import load_scenario
     from simkv.costmodel import load_cost_model
     committed = json.loads((PROFILE / SHARED_READS_FILE).read_text())
     saving = committed["saving"]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import simkv
-from simkv.core.metrics import LATENCY_KEYS, REQUEST_COLUMNS, STEP_COLUMNS
-from simkv.core.traces import load_trace, write_canonical
+from simkv.engine.metrics import LATENCY_KEYS, REQUEST_COLUMNS, STEP_COLUMNS
+from simkv.workload.traces import load_trace, write_canonical
 from simkv.sim.engine import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,7 @@ def test_run_writes_results_and_reports_bad_override(tmp_path):
 
 
 def test_the_run_ends_when_the_last_request_is_final_not_at_a_later_cancellation_timer():
-    from simkv.sim.setup import load_requests_frame
+    from simkv.workload.frames import load_requests_frame
     scn = simkv.load_scenario(ROOT / "scenarios" / "quickstart.yaml",
                               overrides={"workload.limit": 5})
     frame = load_requests_frame(scn)

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from simkv.core.config import CacheConfig, SchedulerConfig
-from simkv.core.sizing import (
+from simkv.config.scenario import CacheConfig, SchedulerConfig
+from simkv.sizing import (
     GIB,
     MIB,
     estimate_graph_pool_bytes,
@@ -15,7 +15,7 @@ from simkv.core.sizing import (
     size_pool,
     wasted_slots,
 )
-from simkv.core.specs import bundled_gpus, bundled_models, load_gpu, load_model, profiles_dir
+from simkv.specs import bundled_gpus, bundled_models, load_gpu, load_model, profiles_dir
 from simkv.errors import InputError
 
 
@@ -126,7 +126,7 @@ def test_swap_mode_reserves_the_staging_that_exceeds_the_forward_workspace(profi
 
 
 def test_estimated_activation_grows_with_the_token_budget(monkeypatch):
-    monkeypatch.setattr("simkv.core.sizing.read_profile_ledger", lambda model, gpu: None)
+    monkeypatch.setattr("simkv.sizing.read_profile_ledger", lambda model, gpu: None)
     small = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
     large = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=16384))
     assert large.activation_bytes > small.activation_bytes

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from simkv.core.specs import (
+from simkv.specs import (
     SUPPORTED_ARCHITECTURES,
     bundled_gpus,
     bundled_models,

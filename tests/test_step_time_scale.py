@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from simkv.core.config import load_scenario
+from simkv.config.scenario import load_scenario
 from simkv.costmodel import load_cost_model
 from simkv.errors import InputError
 from simkv.sim.engine import simulate

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simkv.core.traces import (COLUMNS, detect_format, load_trace, trace_stats,
+from simkv.workload.traces import (COLUMNS, detect_format, load_trace, trace_stats,
                                write_canonical)
 from simkv.errors import InputError
 

@@ -13,12 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from simkv.core.traces import build_trace, write_canonical  # noqa: E402
+from simkv.workload.traces import build_trace, write_canonical  # noqa: E402
 from simkv.errors import InputError  # noqa: E402
 from simkv.validate import (ERROR_KEYS, check_bounds, compare_validation,  # noqa: E402
                             load_validation_scenario, measure_validation, prepare_window,
                             relative_error, requests_fingerprint, validate_command)
-from simkv.sim.setup import load_requests_frame  # noqa: E402
+from simkv.workload.frames import load_requests_frame  # noqa: E402
 
 SCENARIO = """\
 name: tiny-validation
@@ -193,7 +193,7 @@ def test_calibrating_on_the_saturated_run_makes_its_simulated_duration_the_measu
 
 def test_comparing_refuses_requests_other_than_those_measured(measured):
     path, out = measured
-    from simkv.core.config import load_scenario
+    from simkv.config.scenario import load_scenario
     faster = load_scenario(path, overrides={"workload.time_scale": 0.25})
     with pytest.raises(InputError, match="differ from those measured"):
         compare_validation(out, faster, plots=False)

@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from simkv.core.traces import COLUMNS, load_trace, trace_stats, write_canonical
+from simkv.workload.traces import COLUMNS, load_trace, trace_stats, write_canonical
 from simkv.errors import InputError
-from simkv.sim.workload import generate_synthetic
+from simkv.workload.synthetic import generate_synthetic
 
 
 def spec(**changes) -> dict:

@@ -79,7 +79,7 @@ def _serving_effects(profiled, scenario):
 
 def _roofline(scenario):
     """The roofline model with the calibrated efficiencies when a calibration exists."""
-    from simkv.core.specs import profiles_dir
+    from simkv.specs import profiles_dir
     from simkv.costmodel.roofline import RooflineCostModel, load_calibration
     calibration = load_calibration(scenario.gpu.name, profiles_dir())
     model = RooflineCostModel(scenario.model, scenario.gpu, scenario.cache.kv_dtype,

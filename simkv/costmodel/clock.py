@@ -71,11 +71,11 @@ class ClockModel:
     @classmethod
     def load(cls, path) -> "ClockModel":
         path = Path(path)
-        data = read_json_object(path, "run `python -m simkv.costmodel.clock_fit`")
+        data = read_json_object(path, "run `python -m simkv.fitting.clock`")
         params = data.get("params")
         if data.get("format") != CLOCK_FORMAT or not isinstance(params, dict):
             raise InputError(f"{path}: not a {CLOCK_FORMAT} file (re-run "
-                             "`python -m simkv.costmodel.clock_fit`)")
+                             "`python -m simkv.fitting.clock`)")
         values = {}
         for key, field in cls.__dataclass_fields__.items():
             v = params.get(key, None if field.default is MISSING else field.default)

@@ -1,7 +1,7 @@
 """Profiled step-cost model: `predict(plan) -> seconds` from a fit of real GPU measurements.
 
 The fit (`profiles/<gpu>/<model>/fit.json`, written by `simkv fit`) holds per-block-size
-coefficients of an auditable formula (see `simkv.costmodel.fit`). A block size between two
+coefficients of an auditable formula (see `simkv.fitting.fit`). A block size between two
 profiled ones uses coefficients interpolated linearly in log2(block size); one outside the
 profiled range is refused.
 """
@@ -11,8 +11,8 @@ import bisect
 import math
 from pathlib import Path
 
-from simkv.core.specs import KV_DTYPE_BYTES, profiles_dir
-from simkv.costmodel.fit import FIT_FORMAT
+from simkv.specs import KV_DTYPE_BYTES, profiles_dir
+from simkv.fitting.fit import FIT_FORMAT
 from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
                                           hats, transfer_seconds)
 from simkv.errors import InputError, read_json_object
@@ -123,7 +123,7 @@ class ProfiledCostModel:
         derives its captured sizes: simkv.gpu.graph_steps)."""
         from dataclasses import replace
 
-        from simkv.gpu.launch_policy import decode_graph_sizes, mixed_graph_sizes
+        from simkv.engine.launch_policy import decode_graph_sizes, mixed_graph_sizes
         layout = self.layout
         changes = {"max_num_seqs": sched.max_num_seqs}
         max_len = sched.max_model_len or (model.max_position_embeddings if model else 0)

@@ -1,8 +1,8 @@
 """The profiled step-cost formula: a step's features and fitted coefficients -> seconds.
 
-Shared by the fit (`simkv.costmodel.fit`, which fills in the coefficients from a profile's raw
+Shared by the fit (`simkv.fitting.fit`, which fills in the coefficients from a profile's raw
 CSVs) and the cost model the simulator runs (`simkv.costmodel.profiled`). The formula itself is
-written out in `simkv.costmodel.fit`'s docstring; `StepLayout` says how the engine lays a step
+written out in `simkv.fitting.fit`'s docstring; `StepLayout` says how the engine lays a step
 out beyond the plan's features (CUDA-graph sizes, the decode kernel's split rule).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from simkv.errors import InputError
-from simkv.gpu.launch_policy import decode_num_splits
+from simkv.engine.launch_policy import decode_num_splits
 
 TOKEN_KNOTS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_KNOTS = (1, 16, 256)
@@ -64,7 +64,7 @@ _num_splits = functools.lru_cache(maxsize=4096)(decode_num_splits)   # called ev
 class StepLayout:
     """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
     captured CUDA-graph sizes (decode-only steps by batch, steps with prefill chunks by token
-    count), and the decode kernel's split rule (`simkv.gpu.launch_policy`: it splits each
+    count), and the decode kernel's split rule (`simkv.engine.launch_policy`: it splits each
     sequence's context over programs so that small batches fill the GPU; the longest program
     bounds the kernel when one sequence is much longer than the rest)."""
 
@@ -213,7 +213,7 @@ def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
     max_len = meta.get("max_model_len")
     if not max_len and meta.get("model"):
         try:
-            from simkv.core.specs import load_model
+            from simkv.specs import load_model
             max_len = load_model(meta["model"]).max_position_embeddings
         except InputError:
             max_len = 0

@@ -34,11 +34,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.core.metrics import MetricsRecorder, requests_frame, summarize
-from simkv.core.request import Request
-from simkv.core.results import atomic_write_text, write_results
+from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.engine.request import Request
+from simkv.engine.results import atomic_write_text, write_results
 from simkv.gpu.host import frozen_heap
-from simkv.sim.setup import build_scheduler, load_requests_frame, requests_from_frame
+from simkv.engine.build import build_scheduler
+from simkv.workload.frames import load_requests_frame, requests_from_frame
 
 
 @dataclass
@@ -240,7 +241,7 @@ def replay(scenario, device: str = "cuda", out_dir=None, save_tokens: bool = Fal
     ledger.json and, with `save_tokens`, tokens.jsonl there.
     """
     if isinstance(scenario, (str, Path)):
-        from simkv.core.config import load_scenario
+        from simkv.config.scenario import load_scenario
         scenario = load_scenario(scenario)
     wall0 = time.perf_counter()
     frame = trace_df if trace_df is not None else load_requests_frame(scenario)

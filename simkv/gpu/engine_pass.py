@@ -2,7 +2,7 @@
 
 The real engine (scheduler, KV manager, executor) serves a synthetic workload offline at block
 size 16; per step, `duration_s - exec_s` is the time spent scheduling, finishing the step and
-recording metrics, which the fit turns into `engine_host` (`simkv.costmodel.fit`).
+recording metrics, which the fit turns into `engine_host` (`simkv.fitting.fit`).
 
 The optional serving pass (`measure_serving_host`) serves the same kind of workload by the wall
 clock, arrivals at SERVING_LOAD of the offline pass's throughput, and keeps the host input
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from simkv.core.sizing import PROFILE_ENGINE_BATCHED_TOKENS
+from simkv.sizing import PROFILE_ENGINE_BATCHED_TOKENS
 
 ENGINE_FIELDS = ["step", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "preempted",
                  "duration_s", "exec_s", "outside_s"]
@@ -41,7 +41,7 @@ def engine_workload(num_requests: int, seed: int, rate_rps: float | None = None)
     """A synthetic serving mix for the engine passes: lognormal prompts (median 400 tokens) and
     outputs (median 80), a quarter sharing one of four 256-token prefixes, a tenth with n = 2;
     all arriving at 0, or with `rate_rps` as a Poisson process from 0."""
-    from simkv.core.traces import build_trace
+    from simkv.workload.traces import build_trace
     rng = np.random.default_rng(seed + 17)
     prompts = np.clip(rng.lognormal(np.log(400), 0.9, num_requests), 16, 4000).astype(int)
     outputs = np.clip(rng.lognormal(np.log(80), 0.8, num_requests), 4, 400).astype(int)
@@ -68,7 +68,7 @@ def _pass_engine(model, dev, seed: int, name: str, gpu: str, max_num_seqs: int,
                  num_blocks: int | None = None):
     """The real engine as the passes run it: block size ENGINE_PASS_BLOCK_SIZE, prefix caching
     on, a pool of `num_blocks` (default: half the free device memory, at most 40,000 blocks)."""
-    from simkv.core.config import load_scenario
+    from simkv.config.scenario import load_scenario
     from simkv.gpu.engine import Engine
     if num_blocks is None:
         import torch
@@ -118,7 +118,7 @@ def measure_engine_host(model, dev, seed: int, log, num_requests: int = ENGINE_P
                         gpu: str = "h200", max_num_seqs: int = 256) -> tuple:
     """(rows for engine_host.csv: the engine's time per step outside the executor's span,
     the serving engine's memory ledger after the run: `MemoryLedger.report` without stages)."""
-    from simkv.sim.setup import requests_from_frame
+    from simkv.workload.frames import requests_from_frame
     engine = _pass_engine(model, dev, seed, "profile-engine-pass", gpu, max_num_seqs)
     t0 = time.perf_counter()
     engine.run(requests_from_frame(engine_workload(num_requests, seed)), realtime=False)
@@ -140,7 +140,7 @@ def measure_serving_host(model, dev, seed: int, log, rate_rps: float,
     the wall clock at `rate_rps`; per step its start and duration, the executor's span, the
     host input preparation inside the span and the time outside it. `num_blocks`: the pool
     (default: as the offline pass sizes it on a CUDA device)."""
-    from simkv.sim.setup import requests_from_frame
+    from simkv.workload.frames import requests_from_frame
     engine = _pass_engine(model, dev, seed, "profile-serving-pass", gpu, max_num_seqs,
                           num_blocks)
     frame = engine_workload(num_requests, seed, rate_rps)

@@ -213,7 +213,7 @@ class GpuExecutor:
         and several splits. Writes into cache blocks, so call it before any request runs."""
         from types import SimpleNamespace
 
-        from simkv.core.plan import ScheduledSeq
+        from simkv.engine.plan import ScheduledSeq
         bs, n = self.block_size, self.num_blocks
         vocab = self.spec.vocab_size
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -46,13 +46,13 @@ from pathlib import Path
 
 import numpy as np
 
-from simkv.core.sizing import PROFILE_ENGINE_BATCHED_TOKENS
+from simkv.sizing import PROFILE_ENGINE_BATCHED_TOKENS
 from simkv.errors import InputError
 from simkv.gpu.engine_pass import (ENGINE_FIELDS, ENGINE_PASS_NOTE, ENGINE_PASS_REQUESTS,
                                    SERVING_FIELDS, SERVING_LOAD, measure_engine_host,
                                    measure_serving_host, six_digits)
 from simkv.gpu.host import frozen_heap, host_conditions, pin_to_cpu
-from simkv.gpu.profile_design import MAX_CACHED_TOKENS, design, features, step_plan
+from simkv.profile.design import MAX_CACHED_TOKENS, design, features, step_plan
 
 GIB = 1 << 30
 STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
@@ -190,7 +190,7 @@ def _rested_seconds(executor, plan) -> float:
 
 def profile_transfers(executor, rng, reps: int, max_bytes: float, log) -> tuple:
     """Rows for swap.csv (both directions) and copy.csv on one executor."""
-    from simkv.core.plan import StepPlan
+    from simkv.engine.plan import StepPlan
     bs = executor.block_size
     bytes_per_block = executor.kv_pool_bytes // executor.num_blocks
     counts = (1, 16) if max_bytes < GIB else (1, 4, 16, 64, 256, 1024)
@@ -282,9 +282,9 @@ def measure_ledger(executor, model, token_counts, log, serving: dict | None = No
 
 
 def _estimate_comparison(model, ledger: dict) -> dict:
-    """Measured vs the foundation's estimate (simkv.core.sizing) at the default settings."""
-    from simkv.core import sizing
-    from simkv.core.config import SchedulerConfig
+    """Measured vs the foundation's estimate (simkv.sizing) at the default settings."""
+    from simkv import sizing
+    from simkv.config.scenario import SchedulerConfig
     sched = SchedulerConfig()
     estimate = {
         "weights_bytes": model.weight_bytes(sizing.WEIGHT_DTYPE_BYTES),
@@ -323,7 +323,7 @@ def _nvidia_smi() -> dict:
 
 def gpu_short_name(device_name: str) -> str:
     """'NVIDIA H200' -> 'h200': the bundled GPU whose name appears in the device's name."""
-    from simkv.core.specs import bundled_gpus
+    from simkv.specs import bundled_gpus
     text = device_name.lower().replace("-", " ")
     for name in sorted(bundled_gpus(), key=len, reverse=True):
         if name.split("-")[0] in text.split():
@@ -404,7 +404,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     (simkv.gpu.host; then run the validation engine pinned too).
     """
     import torch
-    from simkv.core.specs import load_model, profiles_dir
+    from simkv.specs import load_model, profiles_dir
 
     started = time.perf_counter()
     pin_to_cpu(pin_cpu)
@@ -603,7 +603,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.fit and "steps" in parts:
-        from simkv.costmodel.fit import fit_profile
+        from simkv.fitting.fit import fit_profile
         fit = fit_profile(out)
         print(json.dumps({"holdout_error": {k: fit["holdout_error"][k]
                                             for k in ("median", "p95", "max", "count")},

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from simkv.core.sizing import SWAP_STAGING_CHUNK_BYTES as STAGING_BYTES  # per chunk of a swap
+from simkv.sizing import SWAP_STAGING_CHUNK_BYTES as STAGING_BYTES  # per chunk of a swap
 
 Caches = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]
 

@@ -18,10 +18,11 @@ from pathlib import Path
 import pandas as pd
 import simpy
 
-from simkv.core.metrics import MetricsRecorder, requests_frame, summarize
-from simkv.core.results import write_results
-from simkv.sim.setup import (build_cost_model, build_scheduler, load_requests_frame,
-                              requests_from_frame)
+from simkv.costmodel import load_cost_model
+from simkv.engine.build import build_scheduler
+from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.engine.results import write_results
+from simkv.workload.frames import load_requests_frame, requests_from_frame
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Simulation:
         self.scenario = scenario
         self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
         self.scheduler, self.sizing = build_scheduler(scenario)
-        self.cost_model = cost_model or build_cost_model(scenario)
+        self.cost_model = cost_model or load_cost_model(scenario)
         self.recorder = MetricsRecorder(self.scheduler.kv.num_blocks,
                                         scenario.cache.block_size)
         self.check_integrity = check_integrity

@@ -15,7 +15,7 @@ from simkv.validation.plots import write_plots
 
 def _scenario(scenario):
     if isinstance(scenario, (str, Path)):
-        from simkv.core.config import load_scenario
+        from simkv.config.scenario import load_scenario
         return load_scenario(scenario)
     return scenario
 
@@ -41,9 +41,9 @@ CALIBRATION_ROUNDS = 2     # the duration is nearly proportional to the scale (t
 def _calibrated(scn, cost_model, at_zero, saturated: dict) -> tuple:
     """(scenario, cost model, calibration) with the step times scaled so that the simulated
     all-at-zero run lasts as long as the measured saturated one."""
-    from simkv.core.config import with_overrides
+    from simkv.config.scenario import with_overrides
     from simkv.sim.engine import simulate
-    from simkv.sim.setup import build_cost_model
+    from simkv.costmodel import load_cost_model
     measured_s = saturated["summary"].get("sim_duration_s")
     if not isinstance(measured_s, (int, float)) or measured_s <= 0:
         raise InputError("calibration needs the saturated run's duration (saturated/"
@@ -57,7 +57,7 @@ def _calibrated(scn, cost_model, at_zero, saturated: dict) -> tuple:
         first_s = first_s or simulated_s
         scn = with_overrides(scn, {"step_time_scale": scn.step_time_scale
                                    * measured_s / simulated_s})
-        cost_model = build_cost_model(scn)
+        cost_model = load_cost_model(scn)
     return scn, cost_model, {
         "step_time_scale": scn.step_time_scale / base, "saturated_measured_s": measured_s,
         "saturated_simulated_s": first_s,
@@ -80,11 +80,12 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     it: `<name>-ttft-cdf.png`, `<name>-tpot-cdf.png`, `<name>-e2e-scatter.png`. Returns the
     JSON's dict. Raises InputError when the requests differ from those measured.
     """
-    from simkv.core.specs import profiles_dir
-    from simkv.core.traces import load_trace
+    from simkv.specs import profiles_dir
+    from simkv.workload.traces import load_trace
     from simkv.sim.engine import simulate
-    from simkv.core.sizing import size_pool
-    from simkv.sim.setup import build_cost_model, load_requests_frame
+    from simkv.sizing import size_pool
+    from simkv.costmodel import load_cost_model
+    from simkv.workload.frames import load_requests_frame
     measured_dir = Path(measured_dir)
     if not (measured_dir / "meta.json").is_file():
         raise InputError(f"{measured_dir}: no meta.json (a folder written by the measuring half: "
@@ -108,9 +109,9 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     served_blocks = int(measured.get("num_blocks") or 0)
     if served_blocks and served_blocks != sizing.num_blocks \
             and scn.cache.num_gpu_blocks_override is None:
-        from simkv.core.config import with_overrides
+        from simkv.config.scenario import with_overrides
         scn = with_overrides(scn, {"cache.num_gpu_blocks_override": served_blocks})
-    cost_model = build_cost_model(scn)
+    cost_model = load_cost_model(scn)
     at_zero = frame.copy()
     at_zero["arrival_s"] = 0.0
     calibration = None

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from simkv.core.results import atomic_write_text
+from simkv.engine.results import atomic_write_text
 
 RUNS = ("saturated", "realtime")
 
@@ -41,9 +41,9 @@ def window_name(scenario_path) -> str | None:
 def prepare_window(scenario_path, data_dir) -> Path | None:
     """Write the scenario's requests (limit applied, arrivals not time-scaled) as a canonical
     CSV under `data_dir`, for a machine without the trace; returns its path (None: synthetic)."""
-    from simkv.core.config import load_scenario
-    from simkv.core.traces import write_canonical
-    from simkv.sim.setup import load_requests_frame
+    from simkv.config.scenario import load_scenario
+    from simkv.workload.traces import write_canonical
+    from simkv.workload.frames import load_requests_frame
     name = window_name(scenario_path)
     if name is None:
         return None
@@ -56,7 +56,7 @@ def prepare_window(scenario_path, data_dir) -> Path | None:
 def load_validation_scenario(scenario_path, data_dir=None):
     """The scenario; with `data_dir` holding its window (see `prepare_window`), the window
     replaces the trace file (format csv; time_scale and limit still apply)."""
-    from simkv.core.config import load_scenario
+    from simkv.config.scenario import load_scenario
     name = window_name(scenario_path) if data_dir is not None else None
     if name is not None and (Path(data_dir) / name).is_file():
         window = (Path(data_dir) / name).resolve()

@@ -41,7 +41,7 @@ class _Bench:
                 s.max_num_seqs, s.max_model_len, s.max_num_batched_tokens)
 
     def engine(self, scn, frame):
-        from simkv.core.sizing import size_pool
+        from simkv.sizing import size_pool
         from simkv.gpu.engine import Engine
         sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
         key = self._executor_key(scn, sizing.num_blocks)
@@ -131,8 +131,8 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
     ledger.json). `write_trace=False` leaves trace.csv out (the shared traces' rows; the
     comparison re-derives them from the scenario). Returns `out_dir`.
     """
-    from simkv.core.traces import write_canonical
-    from simkv.sim.setup import load_requests_frame
+    from simkv.workload.traces import write_canonical
+    from simkv.workload.frames import load_requests_frame
     scn_path = scenario if isinstance(scenario, (str, Path)) else getattr(scenario, "path", None)
     if isinstance(scenario, (str, Path)):
         scenario = load_validation_scenario(scenario, data_dir)

@@ -26,8 +26,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from simkv.core.config import with_overrides
-from simkv.core.metrics import slo_met, slo_percentile_failures
+from simkv.config.scenario import with_overrides
+from simkv.engine.metrics import slo_met, slo_percentile_failures
 from simkv.errors import InputError
 
 SLO_ATTAINMENT = 0.9           # fraction of requests that must meet every per-request SLO
@@ -219,7 +219,7 @@ class CapacitySearch:
 def replicate_frame(scenario, replicate: int) -> tuple[dict, pd.DataFrame]:
     """(overrides, requests at time_scale 1) for replicate k: k = 0 is the scenario as given;
     a synthetic workload draws again with seed + k, a trace is block-bootstrapped (seeded)."""
-    from simkv.sim.setup import load_requests_frame
+    from simkv.workload.frames import load_requests_frame
 
     synthetic = scenario.workload.trace is None
     overrides = {"seed": scenario.seed + replicate} if replicate and synthetic else {}

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from simkv.core.config import load_scenario, with_overrides
+from simkv.config.scenario import load_scenario, with_overrides
 from simkv.errors import InputError
 from simkv.whatif.sweep import flatten_summary
 

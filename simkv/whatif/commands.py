@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from simkv.core.config import load_scenario, parse_set
-from simkv.core.results import atomic_write_text
+from simkv.config.scenario import load_scenario, parse_set
+from simkv.engine.results import atomic_write_text
 
 SWEEP_TABLE = {"kv_utilization_mean": "KV util", "internal_fragmentation_mean": "int. frag",
                "running_mean": "running", "running_peak": "peak", "preemptions": "preempt",

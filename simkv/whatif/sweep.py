@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import pandas as pd
 
-from simkv.core.config import load_scenario, parse_set
-from simkv.core.results import atomic_write_csv, atomic_write_text
+from simkv.config.scenario import load_scenario, parse_set
+from simkv.engine.results import atomic_write_csv, atomic_write_text
 from simkv.errors import InputError
 
 BACKENDS = ("local", "dask")

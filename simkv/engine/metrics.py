@@ -14,7 +14,7 @@ from array import array
 import numpy as np
 import pandas as pd
 
-from simkv.core.request import RequestStatus
+from simkv.engine.request import RequestStatus
 
 STEP_COLUMNS = ["step", "start_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
                 "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "preempted"]

@@ -6,9 +6,9 @@ runs next does not (that is the scheduler's business).
 """
 from __future__ import annotations
 
-from simkv.core.kv.block_pool import BlockPool
-from simkv.core.kv.hashing import extend_block_hashes
-from simkv.core.request import Sequence
+from simkv.engine.kv.block_pool import BlockPool
+from simkv.engine.kv.hashing import extend_block_hashes
+from simkv.engine.request import Sequence
 
 
 class HostPool:

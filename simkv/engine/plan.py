@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class ScheduledSeq:
     """Tokens [start, start + num_tokens) of one sequence are computed this step."""
 
-    seq: object            # simkv.core.request.Sequence
+    seq: object            # simkv.engine.request.Sequence
     start: int
     num_tokens: int
     is_decode: bool

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.costmodel.fit import (STEP_COLUMNS, TRANSFER_COLUMNS, _round, nnls, read_csv,
+from simkv.fitting.fit import (STEP_COLUMNS, TRANSFER_COLUMNS, _round, nnls, read_csv,
                                  read_meta, rel_error_summary)
 
 
 def _plans_from_steps(steps: pd.DataFrame) -> list:
-    from simkv.core.plan import StepPlan
+    from simkv.engine.plan import StepPlan
     plans = []
     for r in steps.itertuples(index=False):
         plan = StepPlan(step=0, now_s=0.0,
@@ -34,7 +34,7 @@ def _plans_from_steps(steps: pd.DataFrame) -> list:
 
 
 def _profile_specs(profile_dir: Path):
-    from simkv.core.specs import load_gpu, load_model
+    from simkv.specs import load_gpu, load_model
     meta = read_meta(profile_dir)
     model = load_model(meta.get("model", profile_dir.name))
     gpu = load_gpu(meta.get("gpu", profile_dir.parent.name))

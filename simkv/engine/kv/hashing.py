@@ -12,7 +12,7 @@ the trace id covering its last token and that token's position. Tokens with no s
 """
 from __future__ import annotations
 
-from simkv.core.request import Request, Sequence, stable_key
+from simkv.engine.request import Request, Sequence, stable_key
 
 _UNIQUE = -1   # marks a key unique to one request; trace ids and positions are never negative here
 

@@ -11,9 +11,9 @@ import math
 from array import array
 from collections import deque
 
-from simkv.core.kv.hashing import hash_root
-from simkv.core.plan import ScheduledSeq, StepPlan
-from simkv.core.request import Request, RequestStatus, Sequence
+from simkv.engine.kv.hashing import hash_root
+from simkv.engine.plan import ScheduledSeq, StepPlan
+from simkv.engine.request import Request, RequestStatus, Sequence
 
 
 class Scheduler:

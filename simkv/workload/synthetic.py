@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.core.traces import FORMATS, build_trace, load_trace
+from simkv.workload.traces import FORMATS, build_trace, load_trace
 from simkv.errors import InputError
 
 WHERE = "workload.synthetic"
@@ -43,7 +43,7 @@ _MISSING = object()
 
 
 def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> pd.DataFrame:
-    """Generate a synthetic workload as the canonical trace frame (see `simkv.core.traces`).
+    """Generate a synthetic workload as the canonical trace frame (see `simkv.workload.traces`).
 
     Arrivals are in seconds from the first request (at 0.0), lengths in tokens. Requests with a
     shared system prompt carry chained `prefix_ids` at `block_tokens` granularity; the others

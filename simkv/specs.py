@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import yaml
 
-import simkv
 from simkv.errors import InputError, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
@@ -33,7 +32,7 @@ def profiles_dir() -> Path:
     override = os.environ.get("SIMKV_PROFILES")
     if override:
         return Path(override)
-    return Path(simkv.__file__).resolve().parent.parent / "profiles"
+    return Path(__file__).resolve().parent.parent / "profiles"
 
 
 def closest_name(text: str, names: list[str]) -> Optional[str]:

@@ -49,14 +49,14 @@ class WorkloadConfig:
     format: str = "auto"
     time_scale: float = 1.0
     limit: Optional[int] = None
-    synthetic: Optional[dict[str, Any]] = None  # generator spec (see simkv.sim.workload)
+    synthetic: Optional[dict[str, Any]] = None  # generator spec (see simkv.workload.synthetic)
 
 
 @dataclass
 class Scenario:
     name: str
-    model: Any                                  # simkv.core.specs.ModelSpec
-    gpu: Any                                    # simkv.core.specs.GpuSpec
+    model: Any                                  # simkv.specs.ModelSpec
+    gpu: Any                                    # simkv.specs.GpuSpec
     cost_model: str = "auto"                    # auto | profile | roofline | PATH
     gpu_clock: str = "auto"                     # auto: the profile's clock model, if any | fixed
     step_time_scale: float = 1.0                # multiplies every predicted step time
@@ -399,8 +399,8 @@ def load_scenario(
     scenario file's folder, or `base_dir` (default: the current folder) for a dict. Raises
     InputError with a one-line message naming the file and key on any problem.
     """
-    from simkv.core.sizing import fit_error, size_pool  # sizing imports this module's classes
-    from simkv.core.specs import load_gpu, load_model
+    from simkv.sizing import fit_error, size_pool  # sizing imports this module's classes
+    from simkv.specs import load_gpu, load_model
 
     if isinstance(path_or_dict, dict):
         raw = copy.deepcopy(path_or_dict)

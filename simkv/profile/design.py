@@ -163,8 +163,8 @@ def step_plan(items, block_size: int, tables=None, tokens=None):
     """A StepPlan of fresh sequences, one per item (start, num_tokens, is_decode), with the
     scheduler's features. `tables`: each sequence's block table (default: blocks numbered from
     0 in order, nothing shared); `tokens`: the real engine's token ids (None to only predict)."""
-    from simkv.core.plan import ScheduledSeq, StepPlan
-    from simkv.core.request import Sequence
+    from simkv.engine.plan import ScheduledSeq, StepPlan
+    from simkv.engine.request import Sequence
     scheduled, used = [], 0
     for i, (start, n, is_decode) in enumerate(items):
         if tables is None:

@@ -1,6 +1,6 @@
 """Fit the clock model (`simkv.costmodel.clock`) to a clock probe's step traces.
 
-    python -m simkv.costmodel.clock_fit PROBE_DIR [PROBE_DIR...] --model llama-3.1-8b \
+    python -m simkv.fitting.clock PROBE_DIR [PROBE_DIR...] --model llama-3.1-8b \
         --out profiles/h200/llama-3.1-8b/clock.json
 
 PROBE_DIR is what `benchmarks/clock_probe.py` wrote (steps.csv, smi.csv, meta.json); probes from
@@ -80,7 +80,7 @@ def read_probe(probe_dir: Path) -> tuple:
 def composition_table(steps, smi, meta, model) -> pd.DataFrame:
     """Per composition: its first steps' seconds after a rest, settling clock (MHz) and TFLOP/s
     (at the first steps' speed)."""
-    from simkv.gpu.profile_design import step_plan
+    from simkv.profile.design import step_plan
     counts = model.forward_flops()
     self_steps = steps[steps["phase"] == "self"]
     if self_steps.empty:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    from simkv.core.specs import load_model
+    from simkv.specs import load_model
     try:
         result = fit_clock(args.probe_dirs, load_model(args.model))
     except InputError as e:

@@ -228,7 +228,7 @@ def with_design_items(steps: pd.DataFrame) -> pd.DataFrame:
     composition changed under its id): the tail then takes the longest sequence first. And a
     `prefill_chunks` column: the row's (cached prefix, tokens) chunks from the design, kept where
     they agree with its prefill tokens and context (None: no prefill tail for the row)."""
-    from simkv.gpu.profile_design import decode_contexts_by_id, prefill_chunks_by_id
+    from simkv.profile.design import decode_contexts_by_id, prefill_chunks_by_id
     lookup, chunk_lookup = decode_contexts_by_id(), prefill_chunks_by_id()
     contexts, chunks = [], []
     for row in steps[["id", "num_decode_seqs", "decode_context_tokens", "decode_max_context",

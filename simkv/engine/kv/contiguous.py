@@ -7,8 +7,8 @@ place), forks copy the parent's used blocks into the child's own slab.
 """
 from __future__ import annotations
 
-from simkv.core.kv.manager import HostPool
-from simkv.core.request import Sequence
+from simkv.engine.kv.paged import HostPool
+from simkv.engine.request import Sequence
 
 
 class ContiguousKVCacheManager:

@@ -1,0 +1,41 @@
+"""A replica's serving core from a Scenario: its KV manager and scheduler, sized by `size_pool`.
+
+Shared by the simulator and the real engine, so both see the same pool and the same knobs.
+"""
+from __future__ import annotations
+
+from simkv.engine.kv.contiguous import ContiguousKVCacheManager
+from simkv.engine.kv.paged import PagedKVCacheManager
+from simkv.engine.scheduler import Scheduler
+from simkv.sizing import size_pool
+
+def build_kv_manager(scenario, sizing=None):
+    """The KV manager the scenario asks for, sized by `size_pool` (or the override)."""
+    cache, sched = scenario.cache, scenario.scheduler
+    sizing = sizing or size_pool(scenario.model, scenario.gpu, cache, sched)
+    if cache.allocator == "contiguous":
+        return ContiguousKVCacheManager(sizing.num_blocks, cache.block_size, sched.max_model_len,
+                                        watermark=cache.watermark,
+                                        num_host_blocks=sizing.num_host_blocks)
+    return PagedKVCacheManager(sizing.num_blocks, cache.block_size,
+                               enable_prefix_caching=cache.enable_prefix_caching,
+                               watermark=cache.watermark, num_host_blocks=sizing.num_host_blocks)
+
+
+def build_scheduler(scenario):
+    """(Scheduler, Sizing) for a scenario."""
+    cache, sched = scenario.cache, scenario.scheduler
+    sizing = size_pool(scenario.model, scenario.gpu, cache, sched)
+    kv = build_kv_manager(scenario, sizing)
+    scheduler = Scheduler(
+        kv,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        enable_chunked_prefill=sched.enable_chunked_prefill,
+        long_prefill_token_threshold=sched.long_prefill_token_threshold,
+        max_model_len=sched.max_model_len or scenario.model.max_position_embeddings,
+        preemption_mode=cache.preemption_mode,
+        preemption_policy=sched.preemption_policy,
+        global_prefix_scope=cache.prefix_sharing_scope == "global",
+    )
+    return scheduler, sizing
