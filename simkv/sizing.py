@@ -11,13 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from simkv.specs import GpuSpec, ModelSpec, profiles_dir
 from simkv.errors import InputError, read_json_object
 
-if TYPE_CHECKING:  # config imports this module when it validates a scenario
-    from simkv.config.scenario import CacheConfig, SchedulerConfig
+# `cache` and `scheduler` arguments are a scenario's `cache:` and `scheduler:` settings
+# (simkv.config.scenario.CacheConfig, SchedulerConfig), read by attribute: config sits above
+# this module (it sizes a scenario to validate it), so their classes are not imported here.
+CacheConfig = SchedulerConfig = Any
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -151,8 +153,8 @@ def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> i
 def estimate_graph_pool_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> int:
     """Estimated CUDA-graph pool (bytes) of an engine with these settings: the logits every
     captured graph keeps (its sampled rows x vocab in the weights' dtype) plus
-    GRAPH_SEGMENT_BYTES per graph. The graph sizes are the engine's (simkv.engine.launch_policy)."""
-    from simkv.engine.launch_policy import decode_graph_sizes, mixed_graph_sizes
+    GRAPH_SEGMENT_BYTES per graph. The graph sizes are the engine's (simkv.launch_policy)."""
+    from simkv.launch_policy import decode_graph_sizes, mixed_graph_sizes
     decode = decode_graph_sizes(scheduler.max_num_seqs)
     mixed = mixed_graph_sizes(scheduler.max_num_batched_tokens)
     rows = sum(decode) + sum(min(t, scheduler.max_num_seqs) for t in mixed)

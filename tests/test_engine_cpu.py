@@ -204,7 +204,7 @@ def test_graphed_static_inputs_reproduce_the_eager_tokens(config, runs):
 
 
 def test_mixed_steps_too_large_for_a_graph_run_eagerly():
-    from simkv.engine import launch_policy
+    from simkv import launch_policy
     scn = scenario(**{"scheduler.max_num_batched_tokens": 32})
     executor = graphed_cpu_executor(scn, dtype=torch.float64, attention="reference")
     steps = executor.steps

@@ -288,7 +288,7 @@ def test_the_fit_takes_decode_slots_by_cross_validation_on_training_rows():
 
 
 def test_the_cost_model_and_the_kernel_share_one_split_rule():
-    from simkv.engine import launch_policy
+    from simkv import launch_policy
     pytest.importorskip("triton")
     from simkv.gpu.kernels import decode
     assert decode.decode_num_splits is launch_policy.decode_num_splits

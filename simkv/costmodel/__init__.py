@@ -64,7 +64,8 @@ def _load(scenario):
 def _serving_effects(profiled, scenario):
     """What the profile's measurements beside its fit add: repeated reads of shared blocks
     (shared_reads.json) and the GPU's clock state (clock.json; not with `gpu_clock: fixed`)."""
-    from simkv.costmodel.clock import CLOCK_FILE, ClockedCostModel, load_clock
+    from simkv.costmodel.clock import ClockedCostModel, load_clock
+    from simkv.profile.format import CLOCK_FILE
     from simkv.costmodel.shared_reads import load_shared_reads
     profile_dir = profiled.path.parent
     profiled.use_shared_reads(load_shared_reads(profile_dir))

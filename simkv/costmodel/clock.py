@@ -31,9 +31,8 @@ from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 from simkv.errors import InputError, read_json_object
+from simkv.profile.format import CLOCK_FILE, CLOCK_FORMAT
 
-CLOCK_FILE = "clock.json"
-CLOCK_FORMAT = "simkv-clock-1"
 MAX_TAU_S = 10.0              # an idle gap is integrated in slices up to 12 time constants
 
 

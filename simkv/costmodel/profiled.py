@@ -12,10 +12,10 @@ import math
 from pathlib import Path
 
 from simkv.specs import KV_DTYPE_BYTES, profiles_dir
-from simkv.fitting.fit import FIT_FORMAT
 from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
                                           hats, transfer_seconds)
 from simkv.errors import InputError, read_json_object
+from simkv.profile.format import FIT_FORMAT
 
 STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
              "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s")
@@ -123,7 +123,7 @@ class ProfiledCostModel:
         derives its captured sizes: simkv.gpu.graph_steps)."""
         from dataclasses import replace
 
-        from simkv.engine.launch_policy import decode_graph_sizes, mixed_graph_sizes
+        from simkv.launch_policy import decode_graph_sizes, mixed_graph_sizes
         layout = self.layout
         changes = {"max_num_seqs": sched.max_num_seqs}
         max_len = sched.max_model_len or (model.max_position_embeddings if model else 0)

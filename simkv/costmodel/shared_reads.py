@@ -46,9 +46,8 @@ import numpy as np
 import pandas as pd
 
 from simkv.errors import InputError, read_json_object
+from simkv.profile.format import SHARED_READS_FILE, SHARED_READS_FORMAT
 
-SHARED_READS_FILE = "shared_reads.json"
-SHARED_READS_FORMAT = "simkv-shared-reads-1"
 OWN_TOKENS = 64           # each probe sequence's unshared tail (benchmarks/shared_blocks.py)
 CASE_FIELDS = {           # what each case in shared_reads.json says
     "time_ms": "median step time of the shared batch",

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from simkv.errors import InputError
-from simkv.engine.launch_policy import decode_num_splits
+from simkv.launch_policy import decode_num_splits
 
 TOKEN_KNOTS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCH_KNOTS = (1, 16, 256)
@@ -64,7 +64,7 @@ _num_splits = functools.lru_cache(maxsize=4096)(decode_num_splits)   # called ev
 class StepLayout:
     """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
     captured CUDA-graph sizes (decode-only steps by batch, steps with prefill chunks by token
-    count), and the decode kernel's split rule (`simkv.engine.launch_policy`: it splits each
+    count), and the decode kernel's split rule (`simkv.launch_policy`: it splits each
     sequence's context over programs so that small batches fill the GPU; the longest program
     bounds the kernel when one sequence is much longer than the rest)."""
 

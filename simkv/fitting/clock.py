@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.costmodel.clock import CLOCK_FORMAT, ClockModel, ClockState, step_flops
+from simkv.costmodel.clock import ClockModel, ClockState, step_flops
+from simkv.profile.format import CLOCK_FORMAT
 from simkv.errors import InputError, read_json_object
 
 SENSITIVITIES = tuple(float(x) for x in np.round(np.arange(0.10, 0.71, 0.05), 2))

@@ -55,9 +55,8 @@ import pandas as pd
 from simkv.costmodel.step_formula import (BATCH_KNOTS, FORMS, LOG_BATCH_KNOTS, StepLayout,
                                           hats, layout_from_meta, predict_step)
 from simkv.errors import InputError, read_json_object
-from simkv.gpu.engine_pass import ENGINE_PASS_BLOCK_SIZE
+from simkv.profile.format import ENGINE_PASS_BLOCK_SIZE, FIT_FORMAT
 
-FIT_FORMAT = "simkv-fit/1"
 STEP_COLUMNS = (
     "id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens", "num_prefill_seqs",
     "num_decode_seqs", "decode_context_tokens", "prefill_context_tokens",

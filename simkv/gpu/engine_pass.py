@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from simkv.profile.format import ENGINE_PASS_BLOCK_SIZE
 from simkv.sizing import PROFILE_ENGINE_BATCHED_TOKENS
 
 ENGINE_FIELDS = ["step", "num_seqs", "num_prefill_tokens", "num_decode_tokens", "preempted",
@@ -26,7 +27,6 @@ ENGINE_PASS_NOTE = ("engine_host.csv: the real engine (scheduler, KV manager, ex
                     "a synthetic workload offline at block size 16; per step the time outside "
                     "the executor's span (scheduling, finishing, metrics) = duration_s - exec_s")
 ENGINE_PASS_REQUESTS = 240
-ENGINE_PASS_BLOCK_SIZE = 16
 SERVING_FIELDS = ["step", "start_s", "num_seqs", "num_prefill_tokens", "num_decode_tokens",
                   "preempted", "duration_s", "exec_s", "prep_s", "outside_s"]
 SERVING_LOAD = 0.6            # arrival rate of the serving pass / the offline pass's throughput

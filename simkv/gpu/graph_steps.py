@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from simkv.engine.launch_policy import decode_graph_sizes, mixed_graph_sizes
+from simkv.launch_policy import decode_graph_sizes, mixed_graph_sizes
 from simkv.gpu.model import AttentionMetadata
 
 

@@ -242,7 +242,7 @@ def run_tune(out_dir, quick: bool = False, time_budget_s: float | None = None, d
         "prefill_config": dataclasses.asdict(best_prefill),
         # what to set in the code
         "constants": {
-            "simkv/engine/launch_policy.py": {"SPLIT_PROGRAMS_PER_SM": best_policy[0],
+            "simkv/launch_policy.py": {"SPLIT_PROGRAMS_PER_SM": best_policy[0],
                                            "MIN_TILES_PER_SPLIT": best_policy[1]},
             "simkv/gpu/kernels/decode.py": {"DecodeConfig.fused_merge": best_fused,
                                             "decode_config (bf16, head_dim<=128), per block size":

@@ -283,7 +283,7 @@ def measure_ledger(executor, model, token_counts, log, serving: dict | None = No
 
 def _estimate_comparison(model, ledger: dict) -> dict:
     """Measured vs the foundation's estimate (simkv.sizing) at the default settings."""
-    from simkv import sizing
+    import simkv.sizing as sizing
     from simkv.config.scenario import SchedulerConfig
     sched = SchedulerConfig()
     estimate = {

@@ -66,12 +66,11 @@ class _Bench:
             return
         import gc
 
-        import torch
+        from simkv.gpu.device import release_cuda_cache
         self.executor = self.executor_key = None
         self.saturated.clear()
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_cuda_cache()
 
     def _run(self, scn, frame, realtime: bool, engine=None):
         """(ReplayResult, steps with span_s/prep_s) of one run."""

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from simkv.engine.launch_policy import decode_num_splits
+from simkv.launch_policy import decode_num_splits
 
 from ._common import DOT_PRECISION, LOG2E, check_kv_cache, check_query, default_scale, next_pow2, offsets_fit_int32, sm_count
 
