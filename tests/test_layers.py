@@ -87,6 +87,8 @@ def violations(root: Path = PACKAGE) -> list[str]:
     out = []
     edges: dict[str, set] = {}
     for path in sorted(root.rglob("*.py")):
+        if path.name == "__main__.py":      # `python -m simkv.X`: a command, not a layer
+            continue
         module = module_name(path, root)
         pkg = package_of(module)
         where = f"{path.relative_to(root.parent)}"
