@@ -52,7 +52,7 @@ def _flat(summary: dict) -> dict:
 
 def _frame(scn):
     try:
-        from simkv.workload import load_requests_frame
+        from simkv.workload.frames import load_requests_frame
     except ImportError:
         from simkv.sim.setup import load_requests_frame
     return load_requests_frame(scn)

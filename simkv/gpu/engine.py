@@ -2,13 +2,13 @@
 
     while work remains:
         plan = scheduler.schedule(now)
-        outputs = executor.execute(plan)          # the step, for real
+        seconds, outputs = executor.execute(plan)     # the step, for real
         scheduler.finish_step(plan, outputs, now)
 
-It is the simulator's loop (`simkv.sim.engine`) with the cost model replaced by the GPU and the
-SimPy clock by the wall clock: requests arrive when the wall clock passes their arrival time
-(`realtime=True`) or all at 0 (`realtime=False`, offline), cancellations fire `cancel_after_s`
-after arrival, and the same MetricsRecorder writes the same summary.json / requests.csv /
+It is the simulator's serving loop (`simkv.engine.loop`, the same generator) with the cost
+model's executor replaced by the GPU's and the SimPy clock by the wall clock: requests arrive
+when the wall clock passes their arrival time (`realtime=True`) or all at 0 (`realtime=False`,
+offline), cancellations fire `cancel_after_s` after arrival, and the same MetricsRecorder writes the same summary.json / requests.csv /
 steps.csv, measured. Extra outputs: `ledger.json` (device memory, `simkv.gpu.ledger`), and with
 `save_tokens` `tokens.jsonl` (request_id, sample, token_ids: the generated tokens).
 
@@ -39,6 +39,7 @@ from simkv.engine.request import Request
 from simkv.engine.results import atomic_write_text, write_results
 from simkv.gpu.host import frozen_heap
 from simkv.engine.build import build_scheduler
+from simkv.engine.loop import IDLE, NOW, serve
 from simkv.workload.frames import load_requests_frame, requests_from_frame
 
 
@@ -89,6 +90,25 @@ def _fresh(req: Request) -> Request:
                    else list(req.prompt_token_ids))
 
 
+class _MeasuredExecutor:
+    """The GPU executor as the serving loop's: runs each step and keeps its device times."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine, self.ex, self.kv = engine, engine.executor, engine.scheduler.kv
+
+    def execute(self, plan) -> tuple:
+        ex, engine = self.ex, self.engine
+        outputs = ex.execute(plan, self.kv)
+        engine.gpu_s.append(ex.last_gpu_s - ex.last_prep_s)
+        engine.exec_s.append(ex.last_gpu_s)
+        engine.num_seqs.append(len(plan.scheduled))
+        return ex.last_gpu_s, outputs
+
+    def step_done(self, plan) -> None:
+        if self.ex.poison:
+            self.ex.poison_free_blocks(self.kv)
+
+
 class Engine:
     """One scenario on one device: scheduler + KV manager (shared core) + GpuExecutor."""
 
@@ -133,52 +153,41 @@ class Engine:
             return self._serve(requests, progress)
 
     def _serve(self, requests: list, progress) -> float:
-        sched, ex = self.scheduler, self.executor
-        observe, record = self.recorder.observe, self.recorder.record_step
-        kv = sched.kv
+        """Run the serving loop (simkv.engine.loop) by the wall clock; returns the duration."""
+        sched = self.scheduler
+        loop = serve(sched, _MeasuredExecutor(self), self.recorder,
+                     check_integrity=self.check_integrity, on_step=progress)
         cancels: list = []
-        i, n = 0, len(requests)
+        pending = iter(requests)
+        upcoming = next(pending, None)
         clock0 = time.perf_counter()
-        empty_in_a_row = 0
-        while True:
-            now = time.perf_counter() - clock0
-            while i < n and requests[i].arrival_s <= now:
-                req = requests[i]
-                sched.add_request(req, now)
-                if not math.isnan(req.cancel_after_s):
-                    heapq.heappush(cancels, (req.arrival_s + req.cancel_after_s, req.request_id))
-                i += 1
+
+        def admit(now: float) -> None:
+            """Requests that have arrived and cancellations that are due, by `now`."""
+            nonlocal upcoming
+            while upcoming is not None and upcoming.arrival_s <= now:
+                sched.add_request(upcoming, now)
+                if not math.isnan(upcoming.cancel_after_s):
+                    heapq.heappush(cancels, (upcoming.arrival_s + upcoming.cancel_after_s,
+                                             upcoming.request_id))
+                upcoming = next(pending, None)
             while cancels and cancels[0][0] <= now:
                 sched.cancel(heapq.heappop(cancels)[1])
-            plan = sched.schedule(now)
-            if plan.is_empty:
-                if i == n and not sched.requests:
+
+        command = next(loop)
+        while True:
+            now = time.perf_counter() - clock0
+            if command is IDLE:
+                if upcoming is None and not sched.requests:
+                    loop.close()
                     break
-                if sched.waiting or sched.running or sched.swapped:
-                    empty_in_a_row += 1
-                    if (plan.preempted or plan.cancelled) and empty_in_a_row < 3:
-                        continue      # a step that only preempted or cancelled: plan again
-                    raise RuntimeError(f"step {plan.step}: requests wait but nothing can run")
-                wake = min(requests[i].arrival_s if i < n else math.inf,
+                wake = min(upcoming.arrival_s if upcoming is not None else math.inf,
                            cancels[0][0] if cancels else math.inf)
-                time.sleep(max(0.0, min(wake - (time.perf_counter() - clock0), 0.05)))
-                continue
-            empty_in_a_row = 0
-            observe(plan, sched)
-            outputs = ex.execute(plan, kv)
-            token_s = time.perf_counter() - clock0
-            sched.finish_step(plan, outputs, token_s)
-            if ex.poison:
-                ex.poison_free_blocks(kv)
-            if self.check_integrity:
-                kv.check_integrity()
-            end = time.perf_counter() - clock0
-            record(plan, now, end - now)
-            self.gpu_s.append(ex.last_gpu_s - ex.last_prep_s)
-            self.exec_s.append(ex.last_gpu_s)
-            self.num_seqs.append(len(plan.scheduled))
-            if progress is not None:
-                progress(plan, end)
+                time.sleep(max(0.0, min(wake - now, 0.05)))
+                now = time.perf_counter() - clock0
+            if command is IDLE or command is NOW:
+                admit(now)
+            command = loop.send(now)    # after a step: the time its tokens exist
         return time.perf_counter() - clock0
 
     def result(self, duration_s: float, wall_time_s: float) -> ReplayResult:

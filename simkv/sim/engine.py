@@ -1,12 +1,8 @@
-"""The SimPy simulator: the shared scheduler and KV manager, timed by a cost model.
+"""The SimPy simulator: the shared serving loop (simkv.engine.loop) timed by a cost model.
 
-    while work remains:
-        plan = scheduler.schedule(env.now)
-        yield env.timeout(cost_model.predict(plan))
-        scheduler.finish_step(plan, None, env.now)
-
-Arrivals and cancellations are SimPy events on the same clock; an idle engine sleeps until the
-next arrival.
+The loop's executor predicts each step's seconds from the cost model (`CostModelExecutor`) and
+this driver lets that much simulated time pass. Arrivals and cancellations are SimPy events on
+the same clock; an idle loop sleeps until the next one.
 """
 from __future__ import annotations
 
@@ -20,8 +16,10 @@ import simpy
 
 from simkv.costmodel import load_cost_model
 from simkv.engine.build import build_scheduler
+from simkv.engine.loop import IDLE, NOW, serve
 from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.engine.results import write_results
+from simkv.sim.executor import CostModelExecutor
 from simkv.workload.frames import load_requests_frame, requests_from_frame
 
 
@@ -78,55 +76,38 @@ class Simulation:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
-    def _engine(self, on_progress):
+    def _drive(self, loop):
+        """Run the serving loop on the SimPy clock (simkv.engine.loop's protocol)."""
         env = self.env
-        scheduler = self.scheduler
-        predict = self.cost_model.predict
-        observe = self.recorder.observe
-        record = self.recorder.record_step
-        check = self.check_integrity
-        kv = scheduler.kv
-        steps = 0
-        empty_in_a_row = 0
+        command = next(loop)
         while True:
-            plan = scheduler.schedule(env.now)
-            if plan.is_empty:
-                if not scheduler.has_unfinished() and self._arrivals_done:
+            if command is NOW:
+                reply = env.now
+            elif command is IDLE:
+                if not self.scheduler.has_unfinished() and self._arrivals_done:
                     self._served_s = env.now
+                    loop.close()
                     return
-                if not scheduler.requests or not (scheduler.waiting or scheduler.running
-                                                  or scheduler.swapped):
-                    self._wake = env.event()
-                    yield self._wake
-                    self._wake = None
-                    continue
-                empty_in_a_row += 1
-                if (plan.preempted or plan.cancelled) and empty_in_a_row < 3:
-                    continue          # a step that only preempted or cancelled: plan again
-                raise RuntimeError(f"step {plan.step}: requests wait but nothing can run")
-            empty_in_a_row = 0
-            observe(plan, scheduler)
-            start = env.now
-            duration = predict(plan)
-            yield env.timeout(duration)
-            scheduler.finish_step(plan, None, env.now)
-            record(plan, start, duration)
-            if check:
-                kv.check_integrity()
-            steps += 1
-            if on_progress is not None and steps % 4096 == 0:
-                on_progress(env.now)
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                reply = env.now
+            else:
+                yield env.timeout(command)
+                reply = env.now
+            command = loop.send(reply)
 
     def run(self) -> SimResult:
         wall_start = time.perf_counter()
-        if hasattr(self.cost_model, "reset"):        # a model with state (the GPU's clock)
-            self.cost_model.reset()
+        executor = CostModelExecutor(self.cost_model)
         requests = requests_from_frame(self.frame)
         horizon = requests[-1].arrival_s if requests else 0.0
         self.env.process(self._arrivals(requests))
         progress_ctx = _progress_bar(self.progress, horizon, self.scenario.name)
         with progress_ctx as on_progress:
-            self.env.process(self._engine(on_progress))
+            loop = serve(self.scheduler, executor, self.recorder,
+                         check_integrity=self.check_integrity, on_step=_every(4096, on_progress))
+            self.env.process(self._drive(loop))
             self.env.run()
         # The run ends when the last request is final, as the engine's does: a cancellation
         # timer of a request already finished fires later and changes nothing.
@@ -173,6 +154,19 @@ class _RichProgress:
 
     def __exit__(self, *exc):
         return self.progress.__exit__(*exc)
+
+
+def _every(steps: int, on_progress):
+    """An on_step callback that reports the clock every `steps` steps (None without progress)."""
+    if on_progress is None:
+        return None
+    count = [0]
+
+    def on_step(plan, end_s: float) -> None:
+        count[0] += 1
+        if count[0] % steps == 0:
+            on_progress(end_s)
+    return on_step
 
 
 def _progress_bar(enabled: bool, horizon_s: float, label: str):
