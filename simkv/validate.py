@@ -22,11 +22,13 @@ Trace workloads on the GPU machine: the shared traces are not there, so `prepare
 scenario's requests (limit applied, time_scale not) as a canonical CSV into a data folder that
 travels with the repo, and `load_validation_scenario(path, data_dir)` reads it instead.
 
-    python -m simkv.validate prepare SCENARIO... --data .valdata
-    python -m simkv.validate measure SCENARIO... --data .valdata --out results/validation
+    simkv validate prepare SCENARIO... --data .valdata
+    simkv validate measure SCENARIO... --data .valdata --out results/validation
         [--pin-cpu N] [--no-trace]
-    python -m simkv.validate compare SCENARIO --measured results/validation/NAME [--out JSON]
+    simkv validate compare SCENARIO --measured results/validation/NAME [--out JSON]
         [--cost-model FIT_JSON] [--gpu-clock auto|fixed] [--calibrate-saturated] [--no-plots]
+
+(`python -m simkv.validate prepare|measure|compare` is the same command, kept for one release.)
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ from simkv.validation.plots import write_plots  # noqa: F401
 
 __all__ = ["BOUNDS", "ERROR_KEYS", "LARGE_BATCH", "LONG_STEP_S", "LOW_LOAD", "RUNS", "InputError",
            "check_bounds", "compare_validation", "format_table", "ledger_num_blocks",
-           "load_validation_scenario", "main", "measure_many", "measure_validation",
-           "prepare_window", "relative_error", "requests_fingerprint", "validate_command",
-           "window_name", "write_plots"]
+           "compare_command", "load_validation_scenario", "main", "measure_command",
+           "measure_many", "measure_validation", "prepare_command", "prepare_window",
+           "relative_error", "requests_fingerprint", "validate_command", "window_name",
+           "write_plots"]
 
 
 def validate_command(scenario_path, device: str = "cuda", out_dir=None, measured_dir=None,
@@ -81,7 +84,60 @@ def validate_command(scenario_path, device: str = "cuda", out_dir=None, measured
     return 1 if strict and not result["bounds"]["all_ok"] else 0
 
 
-def main(argv=None) -> int:
+def prepare_command(scenarios, data_dir=".valdata") -> int:
+    """`simkv validate prepare`: each scenario's trace window as a canonical CSV in `data_dir`."""
+    for path in scenarios:
+        print(prepare_window(path, data_dir) or f"{path}: synthetic, nothing to write")
+    return 0
+
+
+def measure_command(scenarios, out_dir="results/validation", device: str = "cuda", *,
+                    data_dir=None, progress: bool = False, write_trace: bool = True,
+                    pin_cpu=None) -> int:
+    """`simkv validate measure` (GPU side, no simpy): each scenario into `out_dir/<name>/`."""
+    measure_many(scenarios, out_dir, device, data_dir=data_dir, progress=progress,
+                 write_trace=write_trace, pin_cpu=pin_cpu)
+    return 0
+
+
+def compare_needs_out(cost_model=None, gpu_clock=None, calibrate: bool = False):
+    """Why a comparison with these choices needs an explicit --out, or None when it does not."""
+    used = [flag for flag, value in (("--cost-model", cost_model), ("--gpu-clock", gpu_clock),
+                                     ("--calibrate-saturated", calibrate or None))
+            if value is not None]
+    if not used:
+        return None
+    return (f"{' and '.join(used)} need{'s' if len(used) == 1 else ''} --out (the default path "
+            "holds the comparison with the scenario's own cost model)")
+
+
+def compare_command(scenario, measured, out=None, *, cost_model=None, gpu_clock=None,
+                    calibrate: bool = False, plots: bool = True) -> int:
+    """`simkv validate compare` (CPU side): the simulator against a measurement; prints the table.
+
+    `cost_model` (auto | profile | roofline | a fit.json path, taken from the working
+    directory) and `gpu_clock` (auto | fixed) replace the scenario's; with either, or with
+    `calibrate`, `out` must be given.
+    """
+    problem = compare_needs_out(cost_model, gpu_clock, calibrate) if out is None else None
+    if problem:
+        raise InputError(problem)
+    scn = load_validation_scenario(scenario)
+    overrides = {}
+    if cost_model is not None:
+        overrides["cost_model"] = (cost_model if cost_model in ("auto", "profile", "roofline")
+                                   else str(Path(cost_model).resolve()))
+    if gpu_clock is not None:
+        overrides["gpu_clock"] = gpu_clock
+    if overrides:
+        from simkv.config.scenario import with_overrides
+        scn = with_overrides(scn, overrides)
+    result = compare_validation(measured, scn, out, calibrate=calibrate, plots=plots)
+    print(format_table([result]))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m simkv.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -112,45 +168,30 @@ def main(argv=None) -> int:
     p.add_argument("--calibrate-saturated", action="store_true",
                    help="scale the step times so that the simulated all-at-zero run lasts as "
                         "long as the measured saturated run, then compare")
+    return parser
+
+
+def main(argv=None) -> int:
+    """`python -m simkv.validate prepare|measure|compare ...`; returns the exit code."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.verb == "compare" and args.out is None:
-        used = [flag for flag, value in (("--cost-model", args.cost_model),
-                                         ("--gpu-clock", args.gpu_clock),
-                                         ("--calibrate-saturated",
-                                          args.calibrate_saturated or None))
-                if value is not None]
-        if used:
-            parser.error(f"{' and '.join(used)} need{'s' if len(used) == 1 else ''} --out (the "
-                         "default path holds the comparison with the scenario's own cost model)")
+        problem = compare_needs_out(args.cost_model, args.gpu_clock, args.calibrate_saturated)
+        if problem:
+            parser.error(problem)
     try:
         if args.verb == "prepare":
-            for path in args.scenarios:
-                print(prepare_window(path, args.data) or f"{path}: synthetic, nothing to write")
-        elif args.verb == "measure":
-            measure_many(args.scenarios, args.out, args.device, data_dir=args.data,
-                         progress=args.progress, write_trace=not args.no_trace,
-                         pin_cpu=args.pin_cpu)
-        else:
-            scn = load_validation_scenario(args.scenario)
-            overrides = {}
-            if args.cost_model is not None:
-                choice = args.cost_model      # a path is taken from the working directory
-                if choice not in ("auto", "profile", "roofline"):
-                    choice = str(Path(choice).resolve())
-                overrides["cost_model"] = choice
-            if args.gpu_clock is not None:
-                overrides["gpu_clock"] = args.gpu_clock
-            if overrides:
-                from simkv.config.scenario import with_overrides
-                scn = with_overrides(scn, overrides)
-            result = compare_validation(args.measured, scn, args.out,
-                                        calibrate=args.calibrate_saturated,
-                                        plots=not args.no_plots)
-            print(format_table([result]))
+            return prepare_command(args.scenarios, args.data)
+        if args.verb == "measure":
+            return measure_command(args.scenarios, args.out, args.device, data_dir=args.data,
+                                   progress=args.progress, write_trace=not args.no_trace,
+                                   pin_cpu=args.pin_cpu)
+        return compare_command(args.scenario, args.measured, args.out,
+                               cost_model=args.cost_model, gpu_clock=args.gpu_clock,
+                               calibrate=args.calibrate_saturated, plots=not args.no_plots)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

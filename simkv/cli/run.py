@@ -1,0 +1,114 @@
+"""`simkv size` (KV sizing arithmetic) and `simkv run` (one simulation)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from simkv.cli.common import GIB, MIB, console, print_json, print_summary, require
+from simkv.errors import InputError
+
+
+def size(
+    model: str = typer.Option(..., "--model", "-m", help="Bundled model name or path to an HF config.json."),
+    gpu: str = typer.Option("h200", "--gpu", "-g", help="Bundled GPU name."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block (power of two)."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="KV cache dtype: bf16 or fp8."),
+    gpu_memory_utilization: float = typer.Option(
+        0.9, "--gpu-memory-utilization", help="Fraction of GPU memory simkv may use, in (0, 1]."),
+    memory_budget_gib: Optional[float] = typer.Option(
+        None, "--memory-budget-gib", help="Explicit budget in GiB (wins over the utilisation)."),
+    max_num_batched_tokens: int = typer.Option(
+        8192, "--max-num-batched-tokens", help="Token budget per step (sizes the activation workspace)."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences per step."),
+    as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
+) -> None:
+    """KV sizing arithmetic and pool size for a model on a GPU."""
+    from simkv.config.scenario import CacheConfig, SchedulerConfig
+    from simkv.sizing import fit_error, size_pool
+    from simkv.specs import KV_DTYPE_BYTES, load_gpu, load_model
+
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise InputError(f"--block-size: {block_size} is not a positive power of two (8, 16, 32, ...)")
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise InputError(f"--kv-dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise InputError(f"--gpu-memory-utilization: {gpu_memory_utilization} is not in (0, 1]")
+    if memory_budget_gib is not None and memory_budget_gib <= 0:
+        raise InputError(f"--memory-budget-gib: must be > 0, got {memory_budget_gib}")
+    if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+        raise InputError("--max-num-batched-tokens and --max-num-seqs must be > 0")
+
+    cache = CacheConfig(block_size=block_size, kv_dtype=kv_dtype,
+                        gpu_memory_utilization=gpu_memory_utilization,
+                        memory_budget_gib=memory_budget_gib)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    sizing = size_pool(load_model(model), load_gpu(gpu), cache, scheduler)
+    problem = fit_error(sizing)
+    if problem:
+        raise InputError(problem)
+    if as_json:
+        print_json(sizing.to_dict())
+        return
+    _print_sizing(sizing)
+
+
+def _print_sizing(sizing) -> None:
+    from rich.table import Table
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:,.2f} GiB"
+
+    table = Table(title=f"{sizing.model} on {sizing.gpu}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("block size", f"{sizing.block_size} tokens, {sizing.kv_dtype}"),
+        ("KV bytes per token", f"{sizing.bytes_per_token:,} B"),
+        ("KV bytes per block", f"{sizing.bytes_per_block:,} B ({sizing.bytes_per_block / MIB:g} MiB)"),
+        ("memory budget", gib(sizing.memory_budget_bytes)),
+        ("  weights", gib(sizing.weights_bytes)),
+        ("  activation workspace", gib(sizing.activation_bytes)),
+        ("  other (context, graphs, slack)", gib(sizing.other_bytes)),
+        ("  KV pool", gib(sizing.kv_pool_bytes)),
+        ("KV blocks", f"{sizing.num_blocks:,}"),
+        ("max cached tokens", f"{sizing.max_cached_tokens:,}"),
+        ("source", sizing.source),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    out = console()
+    out.print(table)
+    if sizing.source == "estimate":
+        out.print("activation and other are estimates: no profile ledger for this GPU and model yet")
+
+
+def run(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a scenario key: KEY=VALUE (repeatable)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Replace the workload with this trace file."),
+    trace_format: Optional[str] = typer.Option(None, "--trace-format", help="auto|azure|mooncake|burstgpt|csv"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default results/<scenario name>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Simulate one scenario: print a summary, write summary.json, requests.csv, steps.csv."""
+    from simkv.config.scenario import load_scenario, parse_set
+    from simkv.sim.engine import simulate
+
+    overrides = parse_set(set_)
+    if trace is not None:
+        overrides["workload.trace"] = str(trace.resolve())
+        overrides["workload.synthetic"] = None
+    if trace_format is not None:
+        overrides["workload.format"] = trace_format
+    scn = load_scenario(scenario, overrides)
+    require("simkv.sim.engine", "simulate", "run")
+    result = simulate(scn, progress=not as_json)
+    out_dir = out if out is not None else Path("results") / scn.name
+    result.write(out_dir)
+    if as_json:
+        print_json(result.summary)
+        return
+    print_summary(result.summary, title=f"{scn.name}: {scn.model.name} on {scn.gpu.name}")
+    console().print(f"results written to {out_dir}/")
