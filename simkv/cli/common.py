@@ -49,8 +49,8 @@ def require_first(candidates: list[tuple[str, str]], command: str) -> Any:
     return require(*candidates[-1], command)
 
 
-def call_main(main: Callable[[list[str]], int], argv: list[str]) -> int:
-    """Run a module's argparse `main(argv)` and return its exit code.
+def call_main(main: Callable[..., int], argv: list[str], **kwargs: Any) -> int:
+    """Run a module's argparse `main(argv, **kwargs)` and return its exit code.
 
     The flags were already parsed by the `simkv` command, so only the module's own checks can
     reject them (`parser.error`); those become InputError, i.e. one `error: ...` line and exit 2,
@@ -62,7 +62,7 @@ def call_main(main: Callable[[list[str]], int], argv: list[str]) -> int:
     original = argparse.ArgumentParser.error
     argparse.ArgumentParser.error = one_line_error
     try:
-        code = main(argv)
+        code = main(argv, **kwargs)
     finally:
         argparse.ArgumentParser.error = original
     return int(code or 0)

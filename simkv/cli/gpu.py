@@ -6,7 +6,6 @@ through simkv.gpu.device inside each command.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -60,7 +59,8 @@ def profile(
         None, "--parts", help="Comma-separated, of steps, transfers, ledger, host_noise, engine "
                               "(the default set), rested, serving."),
     fit: bool = typer.Option(False, "--fit", help="Then fit the cost model (fit.json), as "
-                                                  "`simkv fit` does."),
+                                                  "`simkv fit` does, and print its hold-out "
+                                                  "error."),
     pin_cpu: Optional[int] = typer.Option(
         None, "--pin-cpu", metavar="N",
         help="Run pinned to CPU N (then measure validations with `simkv validate measure "
@@ -73,31 +73,23 @@ def profile(
             *(["--quick"] if quick else []), *flag("--device", device),
             *flag("--time-budget-s", time_budget_s), *flag("--reps", reps),
             *flag("--parts", parts), *flag("--pin-cpu", pin_cpu)]
-    started = time.time()
-    code = call_main(profiler_main, argv)
-    if code or not fit:
-        return code
-    if parts is not None and "steps" not in parts.split(","):
-        console().print("nothing to fit: the step grid (part steps) was not measured")
-        return 0
-    from simkv.cli.fit import print_fit
-
-    profile_dir = out if out is not None else _profile_written_since(model, started)
-    fit_profile = require("simkv.fitting.fit", "fit_profile", "fit")
-    print_fit(fit_profile(profile_dir), profile_dir)
-    return 0
+    return call_main(profiler_main, argv + (["--fit"] if fit else []),
+                     **(_fit_hook(profiler_main) if fit else {}))
 
 
-def _profile_written_since(model: str, started: float) -> Path:
-    """The default-placed profile folder (profiles/<gpu>/<model>/) whose meta.json is this run's."""
-    from simkv.specs import load_model, profiles_dir
+def _fit_hook(profiler_main) -> dict:
+    """The fitting the profiler's main runs with --fit: simkv.fitting sits above simkv.gpu, so
+    the command hands `fit_profile(profile_dir) -> dict` in (a main without the parameter fits
+    by itself)."""
+    import inspect
 
-    name = load_model(model).name
-    written = [m for m in profiles_dir().glob(f"*/{name}/meta.json") if m.stat().st_mtime >= started]
-    if not written:
-        raise InputError(f"--fit: found no profile of {name} written by this run under "
-                         f"{profiles_dir()} (give --out)")
-    return max(written, key=lambda m: m.stat().st_mtime).parent
+    if "fit_profile" not in inspect.signature(profiler_main).parameters:
+        return {}
+
+    def fit_profile(profile_dir):
+        return require("simkv.fitting.fit", "fit_profile", "profile --fit")(profile_dir)
+
+    return {"fit_profile": fit_profile}
 
 
 def _require_cuda(command: str) -> None:
