@@ -1,6 +1,6 @@
 """Do decode steps run faster when sequences of the batch share KV blocks?
 
-    python benchmarks/shared_blocks.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~1 min
+    python research/shared_blocks.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~1 min
 
 The validation runs whose decode steps the profiled model over-predicts even with the clock
 state modelled are the ones whose batches share blocks: n = 2 samples share their prompt's

@@ -1,4 +1,4 @@
-"""What the GPU probes in benchmarks/ share: their command line and their executor."""
+"""What the GPU probes in research/ share: their command line and their executor."""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,7 @@
 """Step-time probes beyond the profile's design: where does the fitted model stand?
 
-    python benchmarks/step_probes.py measure --out DIR        # GPU (no simpy), ~1 min
-    python benchmarks/step_probes.py compare DIR              # any machine: against fit.json
+    python research/step_probes.py measure --out DIR        # GPU (no simpy), ~1 min
+    python research/step_probes.py compare DIR              # any machine: against fit.json
 
 Two probes on the real executor (llama-3.1-8b, block size 16, random K/V, median of 5 runs
 after a warm-up, as the profiler times a composition):

@@ -1,8 +1,8 @@
 """How the GPU's clock follows the work it runs: step-time traces for a clock-state model.
 
-    python benchmarks/clock_probe.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~3 min
+    python research/clock_probe.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~3 min
 
-`benchmarks/serving_state.py` (H200, 2026-11-29) found that a decode step right after a heavy
+`research/serving_state.py` (H200, 2026-11-29) found that a decode step right after a heavy
 prefill runs 7-9% slower than the same step back to back after idle, and that the block-table
 layout (random or contiguous) changes it by at most 3%: the SM clock, held down by the 700 W
 power cap after heavy work, is what separates the profile (which interleaves every composition

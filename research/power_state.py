@@ -1,6 +1,6 @@
 """Does a step's time depend on what the GPU ran just before it? (GPU only; no simpy.)
 
-    python benchmarks/power_state.py [--model llama-3.1-8b] [--seconds 3] [--levels 0,0.5,1,...]
+    python research/power_state.py [--model llama-3.1-8b] [--seconds 3] [--levels 0,0.5,1,...]
         --out DIR
 
 Timed back to back, a compute-bound prefill step is measured while the GPU has been busy with

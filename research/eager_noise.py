@@ -1,6 +1,6 @@
 """Why do a small model's eager steps vary? A probe of one executor's eager steps.
 
-    python benchmarks/eager_noise.py --model llama-3.2-1b --out DIR     # GPU (no simpy), ~1 min
+    python research/eager_noise.py --model llama-3.2-1b --out DIR     # GPU (no simpy), ~1 min
 
 On a 1B, steps with prefill chunks above the largest mixed CUDA graph ran eagerly, and on the
 fourth profile of 2026-11-29 (graphs up to 1,024 tokens) their repetitions spread 40-55% (p10 to

@@ -1,12 +1,12 @@
 """Served decode batches timed on their own: are they faster than the profile's at full clock?
 
-    python benchmarks/serving_batches.py dump SCENARIO MEASURED_DIR OUT.json [--every 40]  # CPU
-    python benchmarks/serving_batches.py time OUT.json --out DIR                          # GPU
+    python research/serving_batches.py dump SCENARIO MEASURED_DIR OUT.json [--every 40]  # CPU
+    python research/serving_batches.py time OUT.json --out DIR                          # GPU
 
 With the clock-state model, the validation runs' decode steps that the model times at full clock
 are still ~5% faster than predicted (docs/validation.md), in real-time and saturated runs, at
 block sizes 16 and 64; the profiler's grid times decode compositions at 1.00-1.05x their
-light-work times (benchmarks/clock_probe.py, `profile` phase), which leaves 2-3% unexplained.
+light-work times (research/clock_probe.py, `profile` phase), which leaves 2-3% unexplained.
 
 `dump` replays a validation run through the simulator with the engine's own step times (as the
 per-step diagnostic does), so the KV manager hands out the same blocks, and writes every k-th
@@ -15,7 +15,7 @@ warm-up steps, 7 timed) with its served block tables and again with the profiler
 table (a random permutation of the pool), writing steps.csv; the profiled model's prediction
 for each is then computed on CPU (`report`).
 
-    python benchmarks/serving_batches.py report OUT.json DIR/steps.csv
+    python research/serving_batches.py report OUT.json DIR/steps.csv
 """
 from __future__ import annotations
 

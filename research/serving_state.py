@@ -1,6 +1,6 @@
 """Why do served steps run faster than the profile predicts? Two candidate causes, separated.
 
-    python benchmarks/serving_state.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~2 min
+    python research/serving_state.py [--model llama-3.1-8b] --out DIR     # GPU (no simpy), ~2 min
 
 The validation runs of 2026-11-29 (fifth profile) ran decode steps 2-6% faster than the
 profiled model predicts in real time, and long-context decode batches ~10% faster even when
