@@ -30,6 +30,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
+from simkv.costmodel.step_cost import TermModel
 from simkv.errors import InputError, read_json_object
 from simkv.profile.format import CLOCK_FILE, CLOCK_FORMAT
 
@@ -160,8 +161,10 @@ class ClockState:
         return seconds
 
 
-class ClockedCostModel:
-    """A profiled cost model whose forward times follow the GPU's clock state (module doc)."""
+class ClockedCostModel(TermModel):
+    """A profiled cost model whose forward times follow the GPU's clock state (module doc):
+    the profile's terms, then `step_time_scale` (the scale's share of them) and `clock` (what
+    the clock state adds to, or takes from, the scaled forward pass)."""
 
     is_estimate = False
 
@@ -175,6 +178,7 @@ class ClockedCostModel:
         self.source = source
         self.scale = float(scale)
         self.name = f"{inner.name}+clock" + (f"*{self.scale:g}" if self.scale != 1.0 else "")
+        self.term_names = inner.term_names + ("step_time_scale", "clock")
 
     def __getattr__(self, name):        # layout, engine_host, block_size... of the profile
         if name == "inner" or name.startswith("__"):     # (unpickling: no inner yet)
@@ -185,15 +189,19 @@ class ClockedCostModel:
         """Start a run with the GPU idle (full clock)."""
         self.state.reset()
 
-    def predict(self, plan) -> float:
-        around = self.inner.around_seconds(plan) * self.scale
-        forward = self.inner.forward_seconds(plan)
+    def term_values(self, plan) -> tuple:
+        """The profile's terms, the scale's and the clock's. The forward pass is clocked from
+        the step's start; the engine's host time, copies and swaps (which run on the host or
+        the copy engines) count as the GPU idling after it."""
+        inner, scale = self.inner, self.scale
+        forward_values, around_values = inner.forward_values(plan), inner.around_values(plan)
+        forward, around = math.fsum(forward_values), math.fsum(around_values)
         if forward <= 0:
-            return around
+            return forward_values + around_values + ((scale - 1.0) * around, 0.0)
         full, settling = self.full_clock(forward, step_flops(plan, self.counts))
-        # The forward is clocked from the step's start; the engine's host time, copies and swaps
-        # (`around`, which run on the host or the copy engines) count as the GPU idling after it.
-        return self.state.run_step(plan.now_s, full * self.scale, settling) + around
+        clocked = self.state.run_step(plan.now_s, full * scale, settling)
+        return forward_values + around_values + ((scale - 1.0) * (forward + around),
+                                                 clocked - forward * scale)
 
     def host_seconds(self, plan) -> float:
         return self.inner.host_seconds(plan) * self.scale

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from simkv.specs import KV_DTYPE_BYTES, profiles_dir
+from simkv.costmodel.step_cost import TermModel
 from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
                                           hats, transfer_seconds)
 from simkv.errors import InputError, read_json_object
@@ -59,10 +60,23 @@ def _blend(lo: dict, hi: dict, f: float) -> dict:
     return out
 
 
-class ProfiledCostModel:
-    """Step seconds from a fitted profile, for one block size and KV dtype."""
+FORWARD_TERMS = ("linear", "decode_attention", "shared_read_saving", "decode_tail",
+                 "prefill_attention", "prefill_context", "prefill_tail", "per_sequence",
+                 "mixed_graph_input", "prefill_rows", "eager_launch", "host_floor")
+AROUND_TERMS = ("engine_host", "serving_prep", "block_copies", "swap_out", "swap_in")
+_NO_FORWARD = (0.0,) * len(FORWARD_TERMS)
+
+
+class ProfiledCostModel(TermModel):
+    """Step seconds from a fitted profile, for one block size and KV dtype, as named terms:
+    the fitted forward pass (FORWARD_TERMS: linear layers, decode attention less the saving of
+    shared blocks read again, the decode and prefill kernels' tails, prefill attention, per
+    sequence, a mixed graph's input, prefill rows; an eager step's launches, or the host's
+    floor under a small eager step) and what the engine spends around it (AROUND_TERMS)."""
 
     is_estimate = False
+    term_names = FORWARD_TERMS + AROUND_TERMS
+    engine_host_on = True          # the engine_host effect (its two terms); off: both are 0
 
     def __init__(self, fit: dict, path: Path, block_size: int = 16, kv_dtype: str = "bf16",
                  model=None, gpu=None, scheduler=None):
@@ -306,18 +320,22 @@ class ProfiledCostModel:
         return per_token
 
     def forward_seconds(self, plan) -> float:
-        """Seconds of the forward pass of `plan` (no copies or swaps).
+        """Seconds of the forward pass of `plan` (no copies or swaps)."""
+        return math.fsum(self.forward_values(plan))
+
+    def forward_values(self, plan) -> tuple:
+        """The forward pass's terms (FORWARD_TERMS, in seconds).
 
         Steps are laid out as the executor lays them out (simkv.gpu.executor): every item of one
         token is a decode-kernel row, a one-token prefill chunk too (a full prefix hit computes
         the prompt's last token again), so such a chunk counts as a decode here."""
         tokens = plan.num_prefill_tokens + plan.num_decode_tokens
         if tokens == 0:
-            return 0.0
+            return _NO_FORWARD
         prefill_tokens, prefill_seqs = plan.num_prefill_tokens, plan.num_prefill_seqs
         decode_context = plan.decode_context_tokens
         pairs, prefill_context = plan.prefill_attention_pairs, plan.prefill_context_tokens
-        longest = getattr(plan, "decode_max_context", 0)
+        longest = plan.decode_max_context
         contexts = None       # the decode rows' contexts in batch order (the decode tail's)
         chunks = None         # the prefill chunks of two or more tokens (the prefill tail's)
         if prefill_tokens:    # one pass over a step with chunks
@@ -347,50 +365,46 @@ class ProfiledCostModel:
             mixed = 0
             graph = decodes <= self._max_graph
             rows = self._graph_rows[tokens] if graph else tokens
-        seconds = self._linear_cache.get(rows)
-        if seconds is None:
-            seconds = self._linear_cache[rows] = self._linear(rows)
+        linear = self._linear_cache.get(rows)
+        if linear is None:
+            linear = self._linear_cache[rows] = self._linear(rows)
+        decode = saving = tail = 0.0
         if decodes:          # repeated reads of shared blocks save part of a read each
-            read = decode_context
+            per_token = self.decode_token_seconds(decodes)
+            decode = per_token * decode_context
             repeats = plan.decode_shared_context_tokens
             if repeats:
                 first = plan.decode_shared_block_tokens
-                read -= self._shared_saving_first * first \
-                    + self._shared_saving_further * (repeats - first)
-            seconds += self.decode_token_seconds(decodes) * read
-        if self._a_long and decodes:
-            if contexts is None and (layout.decode_tail_in_order or not longest):
-                contexts = [s.start + 1 for s in plan.scheduled]     # every item is a decode
-            if not longest:          # plans that do not carry the feature
-                longest = max(contexts)
-            seconds += self._a_long * layout.decode_tail_tokens(
-                decodes, longest, decode_context, graph, self.block_size, mixed,
-                contexts if layout.decode_tail_in_order else None)
-        seconds += self._a_pf * pairs
-        seconds += self._a_ctx * prefill_context
-        if self._a_ptail and prefill_tokens:
-            seconds += self._a_ptail * layout.prefill_tail_tokens(chunks)
-        seconds += self._c_seq * num_seqs
-        if graph and mixed:
-            seconds += self._c_mixed_seq * decodes + self._c_mixed
-        if mixed:
-            seconds += self._c_prefill_row * rows
+                saving = -per_token * (self._shared_saving_first * first
+                                       + self._shared_saving_further * (repeats - first))
+            if self._a_long:
+                if contexts is None and (layout.decode_tail_in_order or not longest):
+                    contexts = [s.start + 1 for s in plan.scheduled]   # every item decodes
+                if not longest:
+                    longest = max(contexts)
+                tail = self._a_long * layout.decode_tail_tokens(
+                    decodes, longest, decode_context, graph, self.block_size, mixed,
+                    contexts if layout.decode_tail_in_order else None)
+        prefill_tail = self._a_ptail * layout.prefill_tail_tokens(chunks) \
+            if self._a_ptail and prefill_tokens else 0.0
+        mixed_input = self._c_mixed_seq * decodes + self._c_mixed if graph and mixed else 0.0
+        prefill_rows = self._c_prefill_row * rows if mixed else 0.0
+        values = (linear, decode, saving, tail, self._a_pf * pairs, self._a_ctx * prefill_context,
+                  prefill_tail, self._c_seq * num_seqs, mixed_input, prefill_rows)
         if graph:
-            return seconds
+            return values + (0.0, 0.0)
         # Eager: every kernel is launched from Python; small steps wait on the host.
-        return max(seconds + self._c_eager, self._h0 + self._h_seq * num_seqs)
+        floor = self._h0 + self._h_seq * num_seqs - math.fsum(values) - self._c_eager
+        return values + (self._c_eager, max(0.0, floor))
 
-    def predict(self, plan) -> float:
-        """Seconds for one step: block copies, swaps, the forward pass, and the engine's own
-        time around it (scheduling and finishing the step: `engine_host` in the fit, or the
-        serving pass's `serving_host`, which also corrects the input preparation)."""
-        return self.forward_seconds(plan) + self.around_seconds(plan)
+    def term_values(self, plan) -> tuple:
+        return self.forward_values(plan) + self.around_values(plan)
 
     def host_seconds(self, plan) -> float:
         """The engine's host time around a step (scheduling, finishing it, metrics: outside the
         executor's span), from the profile's serving pass where it has one, else from its
-        offline engine pass; 0 without either."""
-        if not plan.scheduled:
+        offline engine pass; 0 without either or with the engine_host effect off."""
+        if not plan.scheduled or not self.engine_host_on:
             return 0.0
         if self.serving_host is not None:
             return engine_host_seconds(self.serving_host["outside"], len(plan.scheduled),
@@ -404,25 +418,30 @@ class ProfiledCostModel:
         """The host input preparation inside the executor's span as served (the serving pass)
         less what the profiled times hold of it (the grid's); 0 without both."""
         serving = self.serving_host
-        if serving is None or "grid_prep" not in serving or not plan.scheduled:
+        if serving is None or "grid_prep" not in serving or not plan.scheduled \
+                or not self.engine_host_on:
             return 0.0
         n, tokens = len(plan.scheduled), plan.num_prefill_tokens
         return engine_host_seconds(serving["prep"], n, tokens) \
             - engine_host_seconds(serving["grid_prep"], n, tokens)
 
-    def around_seconds(self, plan) -> float:
-        """Seconds of a step outside its profiled forward pass: the engine's host time, the
-        serving pass's input preparation less the grid's (0 without a serving pass), block
-        copies and swaps."""
-        seconds = self.host_seconds(plan) + self.prep_delta_seconds(plan)
+    def around_values(self, plan) -> tuple:
+        """The terms of a step outside its profiled forward pass (AROUND_TERMS): the engine's
+        host time, the serving pass's input preparation less the grid's, block copies, swaps."""
+        copies = swap_out = swap_in = 0.0
         if plan.block_copies and self.copy is not None:
-            seconds += transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)
+            copies = transfer_seconds(self.copy, len(plan.block_copies), self.bytes_per_block)
         if plan.swap_out and "out" in self.swap:
-            seconds += transfer_seconds(self.swap["out"], len(plan.swap_out),
+            swap_out = transfer_seconds(self.swap["out"], len(plan.swap_out),
                                         self.bytes_per_block)
         if plan.swap_in and "in" in self.swap:
-            seconds += transfer_seconds(self.swap["in"], len(plan.swap_in), self.bytes_per_block)
-        return seconds
+            swap_in = transfer_seconds(self.swap["in"], len(plan.swap_in), self.bytes_per_block)
+        return (self.host_seconds(plan), self.prep_delta_seconds(plan), copies, swap_out,
+                swap_in)
+
+    def around_seconds(self, plan) -> float:
+        """Seconds of a step outside its profiled forward pass (`around_values`, summed)."""
+        return math.fsum(self.around_values(plan))
 
     def describe(self) -> dict:
         """What this model is: source, block size (and interpolation), coefficients, errors."""

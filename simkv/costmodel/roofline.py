@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
+from simkv.costmodel.step_cost import TermModel
+
 
 @dataclass
 class RooflineParams:
@@ -63,8 +65,12 @@ def load_calibration(gpu_name: str, profiles: Path) -> Optional[dict]:
     return None
 
 
-class RooflineCostModel:
-    """`predict(plan) -> seconds` from specs; `name` is reported in every result."""
+class RooflineCostModel(TermModel):
+    """`predict(plan) -> seconds` from specs, as named terms; `name` is reported in every
+    result."""
+
+    term_names = ("linear", "kv_read_write", "prefill_attention", "step_overhead",
+                  "per_sequence", "block_copies", "swap")
 
     name = "roofline"
     is_estimate = True
@@ -89,35 +95,36 @@ class RooflineCostModel:
         self.seconds_per_attn_flop = 1.0 / (gpu.bf16_flops_per_s * p.attention_flops_efficiency)
         self.seconds_per_host_byte = 1.0 / (gpu.host_link_bytes_per_s * p.host_link_efficiency)
 
-    def predict(self, plan) -> float:
-        """Seconds for one step: linear layers, attention, KV writes, copies, swaps, overhead."""
+    def term_values(self, plan) -> tuple:
+        """Seconds of one step's terms (TERMS): linear layers (weight read or FLOPs, whichever is
+        longer), KV reads and writes, prefill attention, the step's overhead (graphed or eager),
+        per sequence, block copies, swaps."""
         tokens = plan.num_prefill_tokens + plan.num_decode_tokens
         p = self.params
-        seconds = 0.0
+        linear = kv = attention = overhead = per_seq = 0.0
         if tokens:
             sampled = plan.num_decode_tokens + plan.num_prefill_seqs
             flops = self.flops_per_token * tokens + self.flops_per_sample * sampled
-            seconds += max(self.weight_bytes * self.seconds_per_byte, flops * self.seconds_per_flop)
+            linear = max(self.weight_bytes * self.seconds_per_byte, flops * self.seconds_per_flop)
             kv_read = plan.decode_context_tokens + plan.prefill_context_tokens
-            seconds += (kv_read + tokens) * self.kv_bytes_per_token * self.seconds_per_byte
-            seconds += plan.prefill_attention_pairs * self.attn_flops_per_pair \
+            kv = (kv_read + tokens) * self.kv_bytes_per_token * self.seconds_per_byte
+            attention = plan.prefill_attention_pairs * self.attn_flops_per_pair \
                 * self.seconds_per_attn_flop
             if p.eager_overhead_s_per_layer is None:
-                seconds += p.step_overhead_s
+                overhead = p.step_overhead_s
             elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens <= p.graph_max_batch:
                 if p.graph_overhead_s_per_layer is not None:
-                    seconds += p.graph_overhead_s_per_layer * self.num_layers
+                    overhead = p.graph_overhead_s_per_layer * self.num_layers
                 else:
-                    seconds += p.graph_step_overhead_s or 0.0
+                    overhead = p.graph_step_overhead_s or 0.0
             else:
-                seconds += p.eager_overhead_s_per_layer * self.num_layers
-            seconds += p.per_seq_overhead_s * len(plan.scheduled)
-        if plan.block_copies:
-            seconds += 2 * len(plan.block_copies) * self.bytes_per_block * self.seconds_per_byte
+                overhead = p.eager_overhead_s_per_layer * self.num_layers
+            per_seq = p.per_seq_overhead_s * len(plan.scheduled)
+        copies = 2 * len(plan.block_copies) * self.bytes_per_block * self.seconds_per_byte \
+            if plan.block_copies else 0.0
         swapped = len(plan.swap_out) + len(plan.swap_in)
-        if swapped:
-            seconds += swapped * self.bytes_per_block * self.seconds_per_host_byte
-        return seconds
+        swaps = swapped * self.bytes_per_block * self.seconds_per_host_byte if swapped else 0.0
+        return (linear, kv, attention, overhead, per_seq, copies, swaps)
 
     def describe(self) -> dict:
         return {"name": self.name, "estimate": True, "note": self.note,

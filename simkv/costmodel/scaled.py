@@ -7,23 +7,27 @@ TPOT -10% to +4% at load 0.6, -16% to -1% at 0.9). A sweep over the scale
 """
 from __future__ import annotations
 
+import math
 from functools import partial
+
+from simkv.costmodel.step_cost import TermModel
 
 
 def _scaled(method, scale: float, plan) -> float:
     return method(plan) * scale
 
 
-class ScaledCostModel:
-    """`inner`'s predictions (and its engine host term, where it has one) times `scale`;
-    everything else is `inner`'s. A model with a clock state takes the scale itself
-    (`ClockedCostModel(scale=...)`): scaled from outside, its clock would see the stretch of
-    each step as idle time."""
+class ScaledCostModel(TermModel):
+    """`inner`'s terms and a `step_time_scale` term that makes their sum `scale` times theirs
+    (the engine host term too, where `inner` has one); everything else is `inner`'s. A model
+    with a clock state takes the scale itself (`ClockedCostModel(scale=...)`): scaled from
+    outside, its clock would see the stretch of each step as idle time."""
 
     def __init__(self, inner, scale: float):
         self.inner = inner
         self.scale = float(scale)
         self.name = f"{inner.name}*{self.scale:g}"
+        self.term_names = inner.term_names + ("step_time_scale",)
 
     def __getattr__(self, name):       # is_estimate, note, block_size... of the inner model
         if name == "inner" or name.startswith("__"):     # (unpickling: no inner yet)
@@ -35,8 +39,9 @@ class ScaledCostModel:
         if hasattr(self.inner, "reset"):
             self.inner.reset()
 
-    def predict(self, plan) -> float:
-        return self.inner.predict(plan) * self.scale
+    def term_values(self, plan) -> tuple:
+        values = self.inner.term_values(plan)
+        return values + ((self.scale - 1.0) * math.fsum(values),)
 
     def describe(self) -> dict:
         out = dict(self.inner.describe()) if hasattr(self.inner, "describe") else {}

@@ -40,7 +40,8 @@ class Simulation:
     """One simulation run; `run()` returns a SimResult."""
 
     def __init__(self, scenario, trace_df: pd.DataFrame | None = None,
-                 check_integrity: bool = False, progress: bool = False, cost_model=None):
+                 check_integrity: bool = False, progress: bool = False, cost_model=None,
+                 step_terms: bool = False):
         self.scenario = scenario
         self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
         self.scheduler, self.sizing = build_scheduler(scenario)
@@ -49,6 +50,7 @@ class Simulation:
                                         scenario.cache.block_size)
         self.check_integrity = check_integrity
         self.progress = progress
+        self.executor = CostModelExecutor(self.cost_model, step_terms)
         self.env = simpy.Environment()
         self._wake = None
         self._arrivals_done = False
@@ -99,7 +101,7 @@ class Simulation:
 
     def run(self) -> SimResult:
         wall_start = time.perf_counter()
-        executor = CostModelExecutor(self.cost_model)
+        executor = self.executor
         requests = requests_from_frame(self.frame)
         horizon = requests[-1].arrival_s if requests else 0.0
         self.env.process(self._arrivals(requests))
@@ -114,6 +116,9 @@ class Simulation:
         sim_duration = self._served_s if self._served_s is not None else self.env.now
         req_df = requests_frame(self.scheduler.done)
         steps_df = self.recorder.steps_frame()
+        if executor.terms:     # --step-terms: a column per cost term, in seconds
+            terms = pd.DataFrame(executor.terms).add_prefix("term_")
+            steps_df = pd.concat([steps_df, terms.set_index(steps_df.index)], axis=1)
         summary = summarize(self.recorder, self.scheduler, req_df,
                             sim_duration_s=sim_duration,
                             wall_time_s=time.perf_counter() - wall_start,
@@ -174,11 +179,13 @@ def _progress_bar(enabled: bool, horizon_s: float, label: str):
 
 
 def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity: bool = False,
-             progress: bool = False, cost_model=None) -> SimResult:
+             progress: bool = False, cost_model=None, step_terms: bool = False) -> SimResult:
     """Simulate a scenario; returns summary (dict), requests and steps (DataFrames).
 
     `trace_df` replaces the scenario's workload; `cost_model` (anything with `predict(plan) ->
     seconds` and a `name`; with `reset()` if it keeps state across steps, called as the run
     starts) replaces the scenario's; `check_integrity` runs the KV manager's integrity check
-    after every step (slow on big pools)."""
-    return Simulation(scenario, trace_df, check_integrity, progress, cost_model).run()
+    after every step (slow on big pools); `step_terms` adds a `term_<name>` column per cost term
+    to the steps frame (seconds; they sum to duration_s but for the last bit)."""
+    return Simulation(scenario, trace_df, check_integrity, progress, cost_model,
+                      step_terms).run()

@@ -4,16 +4,27 @@ from __future__ import annotations
 
 class CostModelExecutor:
     """`execute(plan) -> (seconds, None)` from `cost_model.predict`; a model with a state across
-    steps (the GPU's clock) starts from an idle GPU when its replica's executor is built."""
+    steps (the GPU's clock) starts from an idle GPU when its replica's executor is built.
 
-    def __init__(self, cost_model):
+    With `step_terms`, each step's cost terms are kept (`terms`: one dict per step, the
+    model's term names -> seconds; `cost_model.cost(plan)`, whose sum is the same seconds)."""
+
+    def __init__(self, cost_model, step_terms: bool = False):
         if hasattr(cost_model, "reset"):
             cost_model.reset()
         self.cost_model = cost_model
+        self.terms: list = []
+        if step_terms:
+            self.execute = self._execute_with_terms
         self._predict = cost_model.predict
 
     def execute(self, plan) -> tuple:
         return self._predict(plan), None
+
+    def _execute_with_terms(self, plan) -> tuple:
+        cost = self.cost_model.cost(plan)
+        self.terms.append(cost.terms)
+        return cost.seconds, None
 
     def step_done(self, plan) -> None:
         """Nothing to do after a simulated step."""

@@ -1,0 +1,64 @@
+"""Step costs as named terms: every model's terms sum to its prediction, explain shows one step,
+--step-terms adds the terms to steps.csv."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import simkv
+from simkv.costmodel import load_cost_model
+from simkv.errors import InputError
+from simkv.sim.explain import explain_step, format_explanation
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    return simkv.load_scenario("scenarios/quickstart.yaml",
+                               overrides={"workload.synthetic.num_requests": 60})
+
+
+@pytest.mark.parametrize("overrides", [{}, {"gpu_clock": "fixed"}, {"step_time_scale": 1.1},
+                                       {"gpu_clock": "fixed", "step_time_scale": 0.9},
+                                       {"cost_model": "roofline"}])
+def test_every_steps_terms_sum_to_its_predicted_seconds(quickstart, overrides):
+    scn = simkv.load_scenario("scenarios/quickstart.yaml", overrides={
+        "workload.synthetic.num_requests": 60, **overrides})
+    res = simkv.simulate(scn, step_terms=True)
+    terms = res.steps.filter(like="term_")
+    model = load_cost_model(scn)
+    assert list(terms.columns) == [f"term_{n}" for n in model.term_names]
+    sums = [math.fsum(row) for row in terms.itertuples(index=False)]
+    assert sums == pytest.approx(res.steps["duration_s"].tolist(), rel=1e-12)
+
+
+def test_step_terms_leave_the_results_unchanged(quickstart):
+    plain = simkv.simulate(quickstart)
+    with_terms = simkv.simulate(quickstart, step_terms=True)
+    assert with_terms.summary["ttft_s"] == plain.summary["ttft_s"]
+    assert with_terms.steps["duration_s"].tolist() == plain.steps["duration_s"].tolist()
+
+
+def test_explain_gives_the_steps_plan_and_terms_that_sum_exactly(quickstart):
+    found = explain_step(quickstart, 40)
+    steps = simkv.simulate(quickstart).steps.set_index("step")
+    assert found["seconds"] == math.fsum(found["terms"].values())
+    assert found["seconds"] == pytest.approx(steps.loc[40, "duration_s"], rel=1e-12)
+    assert found["plan"]["num_decode_tokens"] == steps.loc[40, "num_decode_tokens"]
+    assert found["plan"]["num_prefill_tokens"] == steps.loc[40, "num_prefill_tokens"]
+    assert found["terms"]["linear"] > 0
+    assert "total" in format_explanation(found)
+
+
+def test_a_decode_step_has_no_prefill_terms_and_a_mixed_step_has_them(quickstart):
+    steps = simkv.simulate(quickstart).steps
+    decode = int(steps[steps.num_prefill_tokens == 0].step.iloc[5])
+    mixed = int(steps[(steps.num_prefill_tokens > 1) & (steps.num_decode_tokens > 0)].step.iloc[0])
+    d, m = explain_step(quickstart, decode)["terms"], explain_step(quickstart, mixed)["terms"]
+    assert d["prefill_attention"] == d["prefill_rows"] == 0.0 and d["decode_attention"] > 0
+    assert m["prefill_attention"] > 0 and m["decode_attention"] > 0
+
+
+def test_explain_past_the_last_step_names_how_many_there_are(quickstart):
+    with pytest.raises(InputError, match="--step 100000: the simulation has"):
+        explain_step(quickstart, 100_000)
