@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.fitting.fit import (STEP_COLUMNS, TRANSFER_COLUMNS, _round, nnls, read_csv,
-                                 read_meta, rel_error_summary)
+from simkv.fitting.numerics import nnls, rel_error_summary, round_sig
+from simkv.fitting.profile import read_csv, read_meta
+from simkv.fitting.step_design import STEP_COLUMNS
+from simkv.fitting.transfers import TRANSFER_COLUMNS
 
 
 def _plans_from_steps(steps: pd.DataFrame) -> list:
@@ -107,20 +109,20 @@ def calibrate_roofline(profile_dir, extended: bool = False) -> dict:
                 best = (score, bw, fl, c)
     _, bw, fl, c = best
     params = {"bandwidth_efficiency": float(bw), "flops_efficiency": float(fl),
-              "attention_flops_efficiency": _round(1.0 / c[0] if c[0] > 1.0 else 1.0, 4)}
+              "attention_flops_efficiency": round_sig(1.0 / c[0] if c[0] > 1.0 else 1.0, 4)}
     if extended:
-        params.update(graph_overhead_s_per_layer=_round(float(c[1]), 4),
-                      eager_overhead_s_per_layer=_round(float(c[2]), 4),
-                      per_seq_overhead_s=_round(float(c[3]), 4))
+        params.update(graph_overhead_s_per_layer=round_sig(float(c[1]), 4),
+                      eager_overhead_s_per_layer=round_sig(float(c[2]), 4),
+                      per_seq_overhead_s=round_sig(float(c[3]), 4))
     else:
-        params.update(step_overhead_s=_round(float(c[1]), 4),
-                      per_seq_overhead_s=_round(float(c[2]), 4))
+        params.update(step_overhead_s=round_sig(float(c[1]), 4),
+                      per_seq_overhead_s=round_sig(float(c[2]), 4))
     swap = profile_dir / "swap.csv"
     if swap.is_file():
         df = read_csv(swap, TRANSFER_COLUMNS)
         big = df["bytes"] >= df["bytes"].quantile(0.75)
         bw_host = float(np.median(df["bytes"][big] / df["time_s"][big]))
-        params["host_link_efficiency"] = _round(min(1.0, bw_host / gpu.host_link_bytes_per_s), 4)
+        params["host_link_efficiency"] = round_sig(min(1.0, bw_host / gpu.host_link_bytes_per_s), 4)
     return {"params": params, "error": roofline_error(params, profile_dir),
             "profile": profile_dir.name, "form": "roofline+eager" if extended else "roofline"}
 
