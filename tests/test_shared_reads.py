@@ -169,7 +169,7 @@ def test_the_probes_first_repeats_are_one_per_group_and_shared_block():
 
 
 def test_the_committed_saving_refits_from_its_committed_probe():
-    from simkv.costmodel.shared_reads import fit_shared_reads
+    from simkv.fitting.shared_reads import fit_shared_reads
     committed = json.loads((PROFILE / SHARED_READS_FILE).read_text())
     refit = fit_shared_reads([ROOT / p for p in committed["fit"]["probes"]], PROFILE)
     assert refit["saving"] == committed["saving"]
@@ -205,7 +205,7 @@ def write_probe(path, savings, first_saving, further_saving, groups=(2, 8), spre
 
 
 def test_the_fit_recovers_the_two_savings_of_a_synthetic_probe(tmp_path):
-    from simkv.costmodel.shared_reads import fit_shared_reads
+    from simkv.fitting.shared_reads import fit_shared_reads
     probe = write_probe(tmp_path / "probe", [(64, 1024), (128, 2048)], 0.7, 0.3,
                         groups=(2, 8, 64), spread=(2,))
     result = fit_shared_reads(probe, PROFILE)
@@ -217,7 +217,7 @@ def test_the_fit_recovers_the_two_savings_of_a_synthetic_probe(tmp_path):
 
 
 def test_a_probe_of_pairs_only_gives_its_one_saving_to_both(tmp_path):
-    from simkv.costmodel.shared_reads import fit_shared_reads
+    from simkv.fitting.shared_reads import fit_shared_reads
     probe = write_probe(tmp_path / "probe", [(64, 1024), (128, 2048)], 0.7, 0.3, groups=(2,))
     result = fit_shared_reads(probe, PROFILE)
     assert result["saving"] == result["saving_first"] == result["saving_further"] == 0.7
@@ -237,7 +237,7 @@ def test_the_bundled_profile_is_simulated_with_its_shared_read_saving():
 
 
 def test_a_probe_without_the_unshared_batch_names_what_is_missing(tmp_path):
-    from simkv.costmodel.shared_reads import fit_shared_reads
+    from simkv.fitting.shared_reads import fit_shared_reads
     (tmp_path / "steps.csv").write_text("batch,context,group,spread,time_s\n"
                                         "64,1024,2,False,0.007\n")
     with pytest.raises(InputError, match="no unshared batch .group 1. of batch 64, context 1024"):
