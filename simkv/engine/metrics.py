@@ -52,21 +52,18 @@ class MetricsRecorder:
         kv = scheduler.kv
         hist = self.blocks_per_seq_hist
         size = len(hist)
-        slots = computed = running = 0
-        paged = kv.kind == "paged"
-        seq_slots = kv.seq_slots
+        blocks = computed = running = 0
         for req in scheduler.running:
             for seq in req.seqs:
                 running += 1
                 nb = len(seq.block_table)
-                slots += nb if paged else seq_slots(seq)
+                blocks += nb
                 computed += seq.num_computed_tokens
                 if nb >= size:
                     hist.extend([0] * (nb + 1 - size))
                     size = len(hist)
                 hist[nb] += 1
-        if paged:
-            slots *= self.block_size
+        slots = kv.allocated_slots(blocks, scheduler.running)
         slot_waste = slots - computed - plan.num_tokens
         self._observed = (plan.step, plan.kv_blocks_used, slot_waste, running)
 

@@ -12,7 +12,6 @@ from simkv.engine.request import Sequence
 
 
 class ContiguousKVCacheManager:
-    kind = "contiguous"
     enable_prefix_caching = False
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
@@ -54,6 +53,10 @@ class ContiguousKVCacheManager:
     def seq_slots(self, seq: Sequence) -> int:
         res = self.reservations.get(seq.seq_id)
         return res[1] * self.block_size if res else 0
+
+    def allocated_slots(self, table_blocks: int, running) -> int:
+        """Token slots the running sequences hold: their whole reservations."""
+        return sum(self.seq_slots(seq) for req in running for seq in req.seqs)
 
     def blocks_needed(self, num_tokens: int, n: int = 1, prompt_tokens: int = 0) -> int:
         return n * self.slab_blocks

@@ -31,9 +31,8 @@ class HostPool:
 
 
 class PagedKVCacheManager:
-    """Blocks on demand, per-sequence block tables, prefix caching, CoW forks, swap."""
-
-    kind = "paged"
+    """Blocks on demand, per-sequence block tables, prefix caching, CoW forks, swap (the
+    KVManager protocol, simkv.engine.kv.interface)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark: float = 0.0, num_host_blocks: int = 0):
@@ -103,6 +102,13 @@ class PagedKVCacheManager:
     def seq_slots(self, seq: Sequence) -> int:
         """Token slots held for a sequence (its table's blocks times the block size)."""
         return len(seq.block_table) * self.block_size
+
+    def allocated_slots(self, table_blocks: int, running) -> int:
+        """Token slots the running sequences hold: their tables' blocks times the block size."""
+        return table_blocks * self.block_size
+
+    def is_free(self, block: int) -> bool:
+        return block in self.pool.free_queue
 
     def blocks_needed(self, num_tokens: int, n: int = 1, prompt_tokens: int = 0) -> int:
         """Blocks a request needs at its longest: n samples share the prompt's full blocks."""
