@@ -128,7 +128,7 @@ def engine_steps(executor, model: str, batch: int, context: int, block_size: int
             "engine_host_ms": 1e3 * float(decode["host_s"].median())}
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--context", type=int, default=1000)
@@ -139,7 +139,38 @@ def main(argv=None) -> int:
     parser.add_argument("--replay", help="trace to replay in real time instead")
     parser.add_argument("--format", default="auto")
     parser.add_argument("--limit", type=int, default=300)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _measure_batch(executor, spec, args, batch: int) -> dict:
+    """One batch size's row: the bytes floor, graph, execute, eager and engine step times."""
+    bs = args.block_size
+    weight_bytes = executor.weight_bytes
+    plan = decode_plan(batch, args.context, bs, spec.vocab_size, first_block=0)
+    kv_read = batch * args.context * spec.kv_bytes_per_token("bf16")
+    floor_s = (weight_bytes + kv_read) / FLOOR_BANDWIDTH
+    executor.execute(plan)
+    graph_s = time_graph(executor, next(b for b in executor.steps.decode_buckets() if b >= batch))
+    wall_s, gpu_s, prep_s = time_execute(executor, plan)
+    executor.use_graphs = False
+    eager_wall_s, eager_gpu_s, _ = time_execute(executor, plan, reps=10)
+    executor.use_graphs = True
+    row = {"model": spec.name, "batch": batch, "context": args.context, "block_size": bs,
+           "dtype": "bf16", "weight_bytes": weight_bytes, "kv_read_bytes": kv_read,
+           "floor_ms": 1e3 * floor_s, "graph_gpu_ms": 1e3 * graph_s,
+           "graph_over_floor": graph_s / floor_s,
+           "achieved_tbps": (weight_bytes + kv_read) / graph_s / 1e12,
+           "execute_ms": 1e3 * wall_s, "execute_gpu_ms": 1e3 * gpu_s,
+           "execute_host_ms": 1e3 * (wall_s - gpu_s + prep_s),
+           "execute_prep_ms": 1e3 * prep_s,
+           "eager_ms": 1e3 * eager_wall_s, "eager_gpu_ms": 1e3 * eager_gpu_s}
+    row.update(engine_steps(executor, args.model, batch, args.context, bs, args.output_tokens))
+    row["engine_over_floor"] = row["engine_step_ms"] / row["floor_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.replay:
         return replay_trace(args)
 
@@ -160,33 +191,10 @@ def main(argv=None) -> int:
                            attention="triton", max_num_seqs=max(batches), seed=0)
     setup_s = time.perf_counter() - t0
     executor.caches.normal_()            # random K/V: never time on zeros
-    weight_bytes = executor.weight_bytes
-    kv_bytes_per_token = spec.kv_bytes_per_token("bf16")
     rows = []
     for batch in batches:
-        plan = decode_plan(batch, args.context, bs, spec.vocab_size, first_block=0)
-        kv_read = batch * args.context * kv_bytes_per_token
-        floor_s = (weight_bytes + kv_read) / FLOOR_BANDWIDTH
-        executor.execute(plan)
-        graph_s = time_graph(executor, next(b for b in executor.steps.decode_buckets() if b >= batch))
-        wall_s, gpu_s, prep_s = time_execute(executor, plan)
-        executor.use_graphs = False
-        eager_wall_s, eager_gpu_s, _ = time_execute(executor, plan, reps=10)
-        executor.use_graphs = True
-        row = {"model": spec.name, "batch": batch, "context": args.context, "block_size": bs,
-               "dtype": "bf16", "weight_bytes": weight_bytes, "kv_read_bytes": kv_read,
-               "floor_ms": 1e3 * floor_s, "graph_gpu_ms": 1e3 * graph_s,
-               "graph_over_floor": graph_s / floor_s,
-               "achieved_tbps": (weight_bytes + kv_read) / graph_s / 1e12,
-               "execute_ms": 1e3 * wall_s, "execute_gpu_ms": 1e3 * gpu_s,
-               "execute_host_ms": 1e3 * (wall_s - gpu_s + prep_s),
-               "execute_prep_ms": 1e3 * prep_s,
-               "eager_ms": 1e3 * eager_wall_s, "eager_gpu_ms": 1e3 * eager_gpu_s}
-        row.update(engine_steps(executor, args.model, batch, args.context, bs,
-                                args.output_tokens))
-        row["engine_over_floor"] = row["engine_step_ms"] / row["floor_ms"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(_measure_batch(executor, spec, args, batch))
+        print(json.dumps(rows[-1]), flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

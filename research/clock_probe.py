@@ -67,6 +67,87 @@ HEAVY = ("prefill/8192", "mixed/1984+64", "mixed/8064+128")
 LIGHT = ("decode/b64/c1024", "decode/b256/c1024", "decode/lognormal/b128")
 
 
+class _Steps:
+    """Runs the plans by name and records each step (phase, case, sequence number in the case,
+    composition, end time since t0, CUDA-event time)."""
+
+    def __init__(self, ex, plans, t0: float):
+        self.ex, self.plans, self.t0 = ex, plans, t0
+        self.rows, self.phase, self.case_name, self.seq = [], "", "", 0
+
+    def step(self, name):
+        self.ex.execute(self.plans[name])
+        self.rows.append({"phase": self.phase, "case": self.case_name, "seq": self.seq,
+                          "composition": name, "end_s": round(time.perf_counter() - self.t0, 6),
+                          "time_s": round(self.ex.last_gpu_s, 7)})
+        self.seq += 1
+
+    def run_for(self, name, seconds):
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            self.step(name)
+
+    def case(self, phase, name):
+        self.phase, self.case_name, self.seq = phase, name, 0
+
+
+def _self_phase(run: _Steps, comps) -> None:
+    for name in list(comps) + list(reversed(list(comps))):
+        run.case("self", name)
+        time.sleep(0.4)
+        run.run_for(name, 0.8)
+
+
+def _recover_phase(run: _Steps) -> None:
+    for _ in range(2):
+        for heavy in HEAVY:
+            for light in LIGHT:
+                run.case("recover", f"{heavy}>{light}")
+                time.sleep(0.3)
+                run.run_for(heavy, 0.5)
+                run.run_for(light, 0.3)
+            for gap_ms in (0, 1, 3, 10, 30, 100):
+                run.case("recover_idle", f"{heavy}>{gap_ms}ms>{LIGHT[0]}")
+                time.sleep(0.3)
+                run.run_for(heavy, 0.5)
+                time.sleep(gap_ms / 1e3)
+                run.step(LIGHT[0])
+
+
+def _duty_phase(run: _Steps) -> None:
+    for heavy in ("mixed/1984+64", "mixed/448+64", "mixed/8064+128"):
+        for k in (1, 2, 4, 8, 16):
+            run.case("duty", f"{heavy}x1+{LIGHT[2]}x{k}")
+            time.sleep(0.3)
+            stop = time.perf_counter() + 1.2
+            while time.perf_counter() < stop:
+                run.step(heavy)
+                for _ in range(k):
+                    run.step(LIGHT[2])
+
+
+def _sustain_phase(run: _Steps) -> None:
+    for _ in range(2):
+        run.case("sustain", f"{HEAVY[2]}>{LIGHT[2]}")
+        time.sleep(0.5)
+        run.run_for(HEAVY[2], 3.0)
+        run.run_for(LIGHT[2], 0.6)
+
+
+def _profile_phase(ex, comps, rng, out: Path, t0: float) -> None:
+    """The profiler's grid with the probe's compositions in it (profile_state.csv)."""
+    import pandas as pd
+    from simkv.profile.design import Point, design
+    from simkv.gpu.profiler import profile_block_size
+    points = design() + [Point(name, "probe", [tuple(it) for it in items])
+                         for name, items in comps.items()]
+    time.sleep(0.4)
+    start = round(time.perf_counter() - t0, 6)
+    grid = profile_block_size(ex, points, rng, 5, print)
+    pd.DataFrame(grid).assign(start_s=start, end_s=round(time.perf_counter() - t0, 6)) \
+        .to_csv(out / "profile_state.csv", index=False)
+
+
 def main() -> None:
     import pandas as pd
     from _probe import probe_executor, probe_parser
@@ -80,7 +161,6 @@ def main() -> None:
         raise SystemExit(f"--phases: {args.phases!r}: choose from {','.join(PHASES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
     with nvidia_smi_log(out / "smi.csv"):
         from simkv.profile.design import MAX_CACHED_TOKENS
         num_blocks = args.num_blocks
@@ -96,72 +176,22 @@ def main() -> None:
         (out / "meta.json").write_text(json.dumps({
             "t0_unix": time.time(), "model": args.model, "block_size": BLOCK_SIZE,
             "compositions": {k: [list(map(int, it)) for it in v] for k, v in comps.items()}}))
-        state = {"phase": "", "case": "", "seq": 0}
-
-        def step(name):
-            ex.execute(plans[name])
-            rows.append({"phase": state["phase"], "case": state["case"], "seq": state["seq"],
-                         "composition": name, "end_s": round(time.perf_counter() - t0, 6),
-                         "time_s": round(ex.last_gpu_s, 7)})
-            state["seq"] += 1
-
-        def run_for(name, seconds):
-            stop = time.perf_counter() + seconds
-            while time.perf_counter() < stop:
-                step(name)
-
-        def case(phase, name):
-            state.update(phase=phase, case=name, seq=0)
-
-        for name in (list(comps) + list(reversed(list(comps))) if "self" in phases else []):
-            case("self", name)
-            time.sleep(0.4)
-            run_for(name, 0.8)
-        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-        for _ in range(2 if "recover" in phases else 0):
-            for heavy in HEAVY:
-                for light in LIGHT:
-                    case("recover", f"{heavy}>{light}")
-                    time.sleep(0.3)
-                    run_for(heavy, 0.5)
-                    run_for(light, 0.3)
-                for gap_ms in (0, 1, 3, 10, 30, 100):
-                    case("recover_idle", f"{heavy}>{gap_ms}ms>{LIGHT[0]}")
-                    time.sleep(0.3)
-                    run_for(heavy, 0.5)
-                    time.sleep(gap_ms / 1e3)
-                    step(LIGHT[0])
-        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-        for heavy in (("mixed/1984+64", "mixed/448+64", "mixed/8064+128")
-                      if "duty" in phases else ()):
-            for k in (1, 2, 4, 8, 16):
-                case("duty", f"{heavy}x1+{LIGHT[2]}x{k}")
-                time.sleep(0.3)
-                stop = time.perf_counter() + 1.2
-                while time.perf_counter() < stop:
-                    step(heavy)
-                    for _ in range(k):
-                        step(LIGHT[2])
-        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
-        for _ in range(2 if "sustain" in phases else 0):
-            case("sustain", f"{HEAVY[2]}>{LIGHT[2]}")
-            time.sleep(0.5)
-            run_for(HEAVY[2], 3.0)
-            run_for(LIGHT[2], 0.6)
-        pd.DataFrame(rows).to_csv(out / "steps.csv", index=False)
+        run = _Steps(ex, plans, t0)
+        for phase, run_phase in (("self", lambda: _self_phase(run, comps)),
+                                 ("recover", lambda: _recover_phase(run)),
+                                 ("duty", lambda: _duty_phase(run)),
+                                 ("sustain", lambda: _sustain_phase(run))):
+            if phase in phases:
+                run_phase()
+            pd.DataFrame(run.rows).to_csv(out / "steps.csv", index=False)   # after every phase
         if "profile" in phases:
-            from simkv.profile.design import Point, design
-            from simkv.gpu.profiler import profile_block_size
-            points = design() + [Point(name, "probe", [tuple(it) for it in items])
-                                 for name, items in comps.items()]
-            time.sleep(0.4)
-            start = round(time.perf_counter() - t0, 6)
-            grid = profile_block_size(ex, points, rng, 5, print)
-            pd.DataFrame(grid).assign(start_s=start, end_s=round(time.perf_counter() - t0, 6)) \
-                .to_csv(out / "profile_state.csv", index=False)
-    if "self" not in phases:
-        return
-    df = pd.DataFrame(rows)
+            _profile_phase(ex, comps, rng, out, t0)
+    if "self" in phases:
+        _print_self_summary(pd.DataFrame(run.rows))
+
+
+def _print_self_summary(df) -> None:
+    """Per composition of the `self` phase: its first steps' time, its settled time, the drift."""
     s = df[df["phase"] == "self"]
     summary = s.groupby("composition")["time_s"].agg(
         first_ms=lambda x: 1e3 * x.iloc[:2].median(), last_ms=lambda x: 1e3 * x.iloc[-5:].median(),

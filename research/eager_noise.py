@@ -55,12 +55,7 @@ def main() -> None:
     from simkv.gpu.host import nvidia_smi_log
     from simkv.gpu.profiler import _plan, _tokens
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.2-1b")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=25)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = _args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with nvidia_smi_log(out / "smi.csv", "timestamp,clocks.sm,power.draw,temperature.gpu,"
@@ -105,20 +100,40 @@ def main() -> None:
         for pid in plans:                       # warm-up
             for _ in range(2):
                 ex.execute(plans[pid])
-        cpus = os.sched_getaffinity(0)
-        for pid in IDS:
-            for rep in range(args.reps):
-                run("same", pid, rep)
-        for condition in ("interleaved", "pinned", "gc_in_step", "interleaved"):
-            if condition == "pinned":
-                os.sched_setaffinity(0, {min(cpus)})
-            for rep in range(args.reps):
-                for pid in IDS:
-                    run(condition, pid, rep)
-                    ex.execute(plans[BIG])
-            os.sched_setaffinity(0, cpus)
+        _run_conditions(run, lambda: ex.execute(plans[BIG]), args.reps)
     df = pd.DataFrame(rows)
     df.to_csv(out / "steps.csv", index=False)
+    _print_report(df)
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()
+
+
+def _run_conditions(run, big_step, reps: int) -> None:
+    """Each composition back to back (`same`), then the interleaved conditions in order, a large
+    step after each composition; `pinned` on the lowest CPU of the process's affinity."""
+    cpus = os.sched_getaffinity(0)
+    for pid in IDS:
+        for rep in range(reps):
+            run("same", pid, rep)
+    for condition in ("interleaved", "pinned", "gc_in_step", "interleaved"):
+        if condition == "pinned":
+            os.sched_setaffinity(0, {min(cpus)})
+        for rep in range(reps):
+            for pid in IDS:
+                run(condition, pid, rep)
+                big_step()
+        os.sched_setaffinity(0, cpus)
+
+
+def _print_report(df) -> None:
+    """Median and p10/p90 per condition and composition, and what the slow steps had."""
     q = df.groupby(["condition", "id"], sort=False).agg(
         ms=("time_s", lambda s: 1e3 * s.median()),
         p10=("time_s", lambda s: 1e3 * s.quantile(0.1)),

@@ -100,7 +100,11 @@ def main() -> None:
                 rows += [dict(r, sm_clock_mhz=clock) for r in probed]
                 next_probe = time.perf_counter() + 0.25
         pd.DataFrame(rows).to_csv(out / "power_state.csv", index=False)   # after every level
-    df = pd.DataFrame(rows)
+    _print_medians(pd.DataFrame(rows))
+
+
+def _print_medians(df) -> None:
+    """Median time, clock and heavy share per probe and level, relative to the first level."""
     med = df.groupby(["probe", "level", "h"]).agg(
         time_ms=("time_s", lambda s: 1e3 * s.median()), clock=("sm_clock_mhz", "median"),
         heavy=("heavy_fraction_1s", "median"), n=("time_s", "size")).reset_index()
