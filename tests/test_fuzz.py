@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import simkv
 from simkv.engine.kv.paged import PagedKVCacheManager
-from simkv.engine.scheduler import Scheduler
 from simkv.workload.traces import build_trace, load_trace
+import simkv.sim.executor as executor_module
 from simkv.sim.engine import Simulation
 
 EXAMPLES = int(os.environ.get("SIMKV_FUZZ_EXAMPLES", "100"))
@@ -80,15 +80,16 @@ class TenantIsolation:
 
 class SharedReadCount:
     """Checks each plan's `decode_shared_context_tokens` and `decode_shared_block_tokens` (kept
-    in O(1) by the KV manager) against counts over the step's decode tables: per block, its
-    decode holders beyond the first; the blocks two or more of them hold."""
+    in O(1) by the KV manager, counted by the simulator's executor) against counts over the
+    step's decode tables: per block, its decode holders beyond the first; the blocks two or
+    more of them hold."""
 
     def __enter__(self):
-        self.saved = Scheduler._finalise
+        self.saved = executor_module.annotate_shared_reads
 
-        def checked_finalise(sched, plan):
-            self.saved(sched, plan)
-            if not isinstance(sched.kv, PagedKVCacheManager):
+        def checked_annotate(plan, kv, running):
+            self.saved(plan, kv, running)
+            if not isinstance(kv, PagedKVCacheManager):
                 return
             holders: dict = {}
             for item in plan.scheduled:
@@ -97,20 +98,20 @@ class SharedReadCount:
                         holders[b] = holders.get(b, 0) + 1
             repeats = sum(count - 1 for count in holders.values())
             assert plan.decode_shared_context_tokens == min(
-                plan.decode_context_tokens, repeats * sched.kv.block_size), \
+                plan.decode_context_tokens, repeats * kv.block_size), \
                 f"step {plan.step}: {plan.decode_shared_context_tokens} repeated tokens " \
                 f"counted, {repeats} repeated blocks in the decode tables"
             shared_blocks = sum(1 for count in holders.values() if count > 1)
             assert plan.decode_shared_block_tokens == min(
-                plan.decode_shared_context_tokens, shared_blocks * sched.kv.block_size), \
+                plan.decode_shared_context_tokens, shared_blocks * kv.block_size), \
                 f"step {plan.step}: {plan.decode_shared_block_tokens} first-repeat tokens " \
                 f"counted, {shared_blocks} blocks held by two or more decode tables"
 
-        Scheduler._finalise = checked_finalise
+        executor_module.annotate_shared_reads = checked_annotate
         return self
 
     def __exit__(self, *exc):
-        Scheduler._finalise = self.saved
+        executor_module.annotate_shared_reads = self.saved
         return False
 
 

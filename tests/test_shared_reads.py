@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from simkv.costmodel.features import shared_read_tokens
 from simkv.costmodel.profiled import ProfiledCostModel
 from simkv.costmodel.shared_reads import (SHARED_READS_FILE, first_repeat_tokens,
                                           load_shared_reads, repeated_tokens)
@@ -78,15 +79,26 @@ def test_a_prefix_hit_repeats_the_blocks_it_found():
     kv.check_integrity()
 
 
+def counted_step(sched):
+    """One scheduler step; with it (repeat tokens, first-repeat tokens) as the simulator's
+    executor counts them while the step runs."""
+    now = float(sched.step_id)
+    plan = sched.schedule(now)
+    counts = shared_read_tokens(plan, sched.kv, sched.running)
+    sched.finish_step(plan, None, now + 1.0)
+    sched.kv.check_integrity()
+    return plan, counts
+
+
 def test_a_decode_step_of_n_3_samples_carries_their_shared_prompt_blocks():
     sched = make_scheduler()
     sched.add_request(scheduler_request(0, 40, 5, n=3))
     step(sched)                                        # prefill 40 tokens, then the fork
-    plan = step(sched)                                 # 3 decodes of context 41
+    plan, (repeats, first) = counted_step(sched)       # 3 decodes of context 41
     # the partial third block was copied for two samples; the two full ones are held 3 times
     assert plan.decode_context_tokens == 3 * 41
-    assert plan.decode_shared_context_tokens == 2 * 2 * BS
-    assert plan.decode_shared_block_tokens == 2 * BS      # the first repeat of each
+    assert repeats == 2 * 2 * BS
+    assert first == 2 * BS                             # the first repeat of each
 
 
 def test_the_profiled_model_reads_shared_context_at_the_measured_saving(tmp_path):
@@ -251,10 +263,10 @@ def test_a_decode_beside_prefills_that_share_a_prefix_among_themselves_repeats_n
     step(sched)                                        # request 0 prefilled
     sched.add_request(scheduler_request(1, 48, 5, ids=(7, 8, 9)))
     sched.add_request(scheduler_request(2, 48, 5, ids=(7, 8, 10)))
-    plan = step(sched)
+    plan, (repeats, _) = counted_step(sched)
     assert [it.is_decode for it in plan.scheduled].count(True) == 1
     assert sched.kv.num_shared_block_refs == 2           # the prefix, held twice
-    assert plan.decode_shared_context_tokens == 0
+    assert repeats == 0
 
 
 def test_repeats_count_only_among_the_decodes_a_step_schedules():
@@ -266,16 +278,14 @@ def test_repeats_count_only_among_the_decodes_a_step_schedules():
     step(sched)                                        # both prefilled, then the forks
     assert sched.kv.num_shared_block_refs == 2 * 3     # the partial block too, until written
     sched.max_num_batched_tokens = 2
-    plan = step(sched)
+    plan, counts = counted_step(sched)
     assert [(item.seq.request.request_id, item.is_decode) for item in plan.scheduled] \
         == [(0, True), (0, True)]
-    assert plan.decode_shared_context_tokens == 2 * BS
-    assert plan.decode_shared_block_tokens == 2 * BS   # a pair: every repeat is a first one
+    assert counts == (2 * BS, 2 * BS)                  # a pair: every repeat is a first one
     sched.max_num_batched_tokens = 3                   # one of request 1's samples too
-    plan = step(sched)
+    plan, counts = counted_step(sched)
     assert sum(item.is_decode for item in plan.scheduled) == 3
-    assert plan.decode_shared_context_tokens == 2 * BS
-    assert plan.decode_shared_block_tokens == 2 * BS
+    assert counts == (2 * BS, 2 * BS)
 
 
 def test_the_shares_of_tables_outside_a_step_are_counted_per_block():

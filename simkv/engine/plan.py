@@ -33,18 +33,16 @@ class StepPlan:
     step: int
     now_s: float
     scheduled: list = field(default_factory=list)      # ScheduledSeq, prefill chunks and decodes
-    # cost-model features
+    # what the step computes, counted
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_prefill_seqs: int = 0
     decode_context_tokens: int = 0      # sum of decode sequences' context lengths
     decode_max_context: int = 0         # the longest decode context (the kernel's busiest program)
-    decode_shared_context_tokens: int = 0   # repeated reads: (holders - 1) x block_size summed
-    # over the blocks several of the step's decode tables hold (the KV manager's count over every
-    # table, less the shares of the other running tables: prefill chunks, sequences left out)
-    decode_shared_block_tokens: int = 0     # the first repeats among them: block_size x the
-    # blocks two or more of the step's decode tables hold (a pair's repeat saves more than each
-    # further repeat within a larger group)
+    # repeated reads of blocks several decode tables hold: set by the simulator's executor
+    # (simkv.costmodel.features), which reads the KV manager's reference counts; 0 on the GPU
+    decode_shared_context_tokens: int = 0   # (holders - 1) x block_size summed over blocks
+    decode_shared_block_tokens: int = 0     # block_size x the blocks two or more tables hold
     prefill_context_tokens: int = 0     # sum of prefill chunks' context lengths after the step
     prefill_attention_pairs: int = 0    # query-key pairs of prefill attention (causal)
     # memory operations the executor performs before the forward

@@ -309,7 +309,7 @@ class Scheduler:
         self._cancel_ids = []
 
     def _finalise(self, plan: StepPlan) -> None:
-        """Cost-model features, block copies and the state snapshot."""
+        """The plan's token counts, block copies and the state snapshot."""
         prefill_tokens = decode_tokens = prefill_seqs = 0
         decode_ctx = prefill_ctx = pairs = longest = 0
         for item in plan.scheduled:
@@ -330,26 +330,6 @@ class Scheduler:
         plan.num_decode_tokens = decode_tokens
         plan.num_prefill_seqs = prefill_seqs
         plan.decode_context_tokens = decode_ctx
-        shared = self.kv.num_shared_block_refs if decode_ctx else 0
-        if shared:
-            # repeats among the step's decodes, and the blocks two or more of them hold: the
-            # shares of every other running sequence's table (prefill chunks, sequences the step
-            # leaves out) taken out
-            shared_blocks = self.kv.num_shared_blocks
-            others = [item.seq for item in plan.scheduled if not item.is_decode]
-            if len(plan.scheduled) < sum(len(req.seqs) for req in self.running):
-                scheduled = {id(item.seq) for item in plan.scheduled}
-                others += [seq for req in self.running for seq in req.seqs
-                           if id(seq) not in scheduled]
-            if others:
-                refs, blocks = self.kv.shared_of(others)
-                shared -= refs
-                shared_blocks -= blocks
-            bs = self.kv.block_size
-            plan.decode_shared_context_tokens = min(decode_ctx, shared * bs)
-            assert shared_blocks >= 0, "shared blocks among the decodes below zero"
-            plan.decode_shared_block_tokens = min(plan.decode_shared_context_tokens,
-                                                  shared_blocks * bs)
         plan.prefill_context_tokens = prefill_ctx
         plan.prefill_attention_pairs = pairs
         if self.kv.copies:

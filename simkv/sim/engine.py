@@ -50,7 +50,8 @@ class Simulation:
                                         scenario.cache.block_size)
         self.check_integrity = check_integrity
         self.progress = progress
-        self.executor = CostModelExecutor(self.cost_model, step_terms)
+        self.executor = CostModelExecutor(self.cost_model, self.scheduler.kv,
+                                          self.scheduler.running, step_terms)
         self.env = simpy.Environment()
         self._wake = None
         self._arrivals_done = False
