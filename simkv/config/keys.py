@@ -1,0 +1,158 @@
+"""The scenario's settable dotted keys, their types, and `--set` values converted to them.
+
+Every key a scenario may set is in KEY_TYPES (slo.* and workload.synthetic.* are open); an
+unknown key raises InputError with the closest valid one.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
+from simkv.errors import InputError
+
+SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "workload": WorkloadConfig}
+TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
+    "name": (str, False),
+    "model": (str, False),
+    "gpu": (str, False),
+    "cost_model": (str, False),
+    "gpu_clock": (str, False),
+    "step_time_scale": (float, False),
+    "seed": (int, False),
+}
+FREE_FORM = "workload.synthetic"    # its contents belong to the workload generator
+SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2e|queue)(_p\d{1,2}|_mean)?_s$")
+SLO_EXAMPLES = "ttft_s, tpot_s, itl_s, e2e_s, queue_s, with _pNN or _mean before _s (ttft_p90_s)"
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_NULL = ("null", "none", "~", "")
+
+
+def field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Field name -> (base type, optional) of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = typing.get_origin(hint) is typing.Union and len(args) < len(typing.get_args(hint))
+        base = args[0] if optional else hint
+        out[f.name] = (typing.get_origin(base) or base, optional)
+    return out
+
+
+# Every settable dotted key and its (type, optional); slo.* and workload.synthetic.* are open.
+KEY_TYPES: dict[str, tuple[type, bool]] = dict(TOP_LEVEL_TYPES)
+for _section, _cls in SECTIONS.items():
+    KEY_TYPES.update({f"{_section}.{k}": t for k, t in field_types(_cls).items()})
+VALID_KEYS = sorted([*KEY_TYPES, *SECTIONS, "slo"])
+
+
+def suggest(key: str) -> str:
+    """' (did you mean X?)' for the valid key closest to `key`, or ''."""
+    close = difflib.get_close_matches(key, VALID_KEYS, n=1, cutoff=0.6)
+    if not close:  # a right name in the wrong section, e.g. cache.max_num_seqs
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in VALID_KEYS}
+        near = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
+        close = [leaves[near[0]]] if near else []
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def check_key(key: str, where: str) -> None:
+    """Raise unless `key` is a settable dotted key."""
+    if key in KEY_TYPES or key.startswith(FREE_FORM + ".") or key == FREE_FORM:
+        return
+    if key.startswith("slo."):
+        if SLO_KEY.match(key[4:]):
+            return
+        raise InputError(f"{where}: unknown SLO key {key} (valid: {SLO_EXAMPLES})")
+    raise InputError(f"{where}: unknown key {key}{suggest(key)}")
+
+
+def type_name(kind: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            Path: "a path", dict: "a mapping"}.get(kind, kind.__name__)
+
+
+def convert(text: str, key: str, where: str) -> Any:
+    """Convert a --set string to the type of `key` (int, float, bool, str, null for Optional)."""
+    if key.startswith("slo."):
+        kind, optional = float, True
+    elif key in KEY_TYPES:
+        kind, optional = KEY_TYPES[key]
+    else:  # free-form (workload.synthetic...): read the value as YAML
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+    lowered = text.strip().lower()
+    if optional and lowered in _NULL:
+        return None
+    try:
+        if kind is bool:
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is dict:
+            value = yaml.safe_load(text)
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+    except (ValueError, yaml.YAMLError):
+        null = " or null" if optional else ""
+        raise InputError(
+            f"{where}: {key}: expected {type_name(kind)}{null}, got {text!r}"
+        ) from None
+    return text  # str, Path
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Parse `--set KEY=VALUE` items into {dotted key: value typed as the key's field}."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(f"--set {item!r}: expected KEY=VALUE (e.g. cache.block_size=32)")
+        check_key(key, "--set")
+        out[key] = convert(text, key, "--set")
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the scenario dict `raw` with each dotted key of `overrides` set.
+
+    String values are converted to the key's type, as `--set` does; other values are kept and
+    type-checked later with the rest of the scenario.
+    """
+    merged = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        check_key(key, "--set")
+        if isinstance(value, str):
+            value = convert(value, key, "--set")
+        node = merged
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                if node.get(part) is not None:
+                    raise InputError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping")
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return merged
+

@@ -1,0 +1,42 @@
+"""The settable sections of a scenario (`cache:`, `scheduler:`, `workload:`): typed dataclasses
+with the defaults of INTERFACE.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    memory_budget_gib: Optional[float] = None   # when set, wins over gpu_memory_utilization
+    kv_dtype: str = "bf16"                      # bf16 | fp8
+    allocator: str = "paged"                    # paged | contiguous
+    enable_prefix_caching: bool = True
+    prefix_sharing_scope: str = "tenant"        # tenant | global
+    watermark: float = 0.0                      # fraction of blocks kept free at admission
+    preemption_mode: str = "recompute"          # recompute | swap
+    swap_space_gib: float = 4.0
+    num_gpu_blocks_override: Optional[int] = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0       # 0 = no per-request cap beyond the budget
+    max_model_len: Optional[int] = None         # None = the model's max_position_embeddings
+    preemption_policy: str = "recent"           # recent (most recently admitted) | priority
+
+
+@dataclass
+class WorkloadConfig:
+    trace: Optional[Path] = None                # resolved relative to the scenario file
+    format: str = "auto"
+    time_scale: float = 1.0
+    limit: Optional[int] = None
+    synthetic: Optional[dict[str, Any]] = None  # generator spec (see simkv.workload.synthetic)
+

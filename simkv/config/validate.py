@@ -1,0 +1,159 @@
+"""Checking a scenario's values: types, ranges, choices, the workload source and the limits the
+model sets. Every problem is an InputError naming the file (or --set) and the dotted key."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from simkv.config.keys import KEY_TYPES, SECTIONS, check_key, type_name
+from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
+from simkv.errors import InputError
+
+CHOICES = {
+    "cache.kv_dtype": ("bf16", "fp8"),
+    "cache.allocator": ("paged", "contiguous"),
+    "cache.prefix_sharing_scope": ("tenant", "global"),
+    "cache.preemption_mode": ("recompute", "swap"),
+    "scheduler.preemption_policy": ("recent", "priority"),
+    "workload.format": ("auto", "azure", "mooncake", "burstgpt", "csv"),
+}
+COST_MODEL_KEYWORDS = ("auto", "profile", "roofline")
+GPU_CLOCK_CHOICES = ("auto", "fixed")
+
+
+class Validator:
+    """Checks one scenario dict; `fail(key, msg)` names the file, or --set for overridden keys."""
+
+    def __init__(self, source: str, overridden: set[str]):
+        self.source = source
+        self.overridden = overridden
+
+    def fail(self, key: str, message: str) -> None:
+        where = "--set" if key in self.overridden else self.source
+        raise InputError(f"{where}: {key}: {message}")
+
+    def unknown_keys(self, raw: dict[str, Any]) -> None:
+        for key, value in raw.items():
+            if key in SECTIONS:
+                if value is None:
+                    continue
+                if not isinstance(value, dict):
+                    self.fail(key, f"expected a mapping, got {value!r}")
+                for sub in value:
+                    check_key(f"{key}.{sub}", self.source)
+            elif key == "slo":
+                if value is None:
+                    continue
+                if not isinstance(value, dict):
+                    self.fail(key, f"expected a mapping like {{ttft_s: 1.0}}, got {value!r}")
+                for sub in value:
+                    check_key(f"slo.{sub}", self.source)
+            else:
+                check_key(str(key), self.source)
+
+    def typed(self, key: str, value: Any) -> Any:
+        """`value` checked against the type of `key` (ints are accepted as floats)."""
+        kind, optional = KEY_TYPES[key]
+        if value is None:
+            if optional:
+                return None
+            self.fail(key, f"expected {type_name(kind)}, got null")
+        ok = {
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            bool: isinstance(value, bool),
+            str: isinstance(value, str),
+            Path: isinstance(value, str),
+            dict: isinstance(value, dict),
+        }[kind]
+        if not ok:
+            self.fail(key, f"expected {type_name(kind)}, got {value!r}")
+        return float(value) if kind is float else value
+
+    def section(self, name: str, raw: dict[str, Any]) -> Any:
+        cls = SECTIONS[name]
+        values = raw.get(name) or {}
+        return cls(**{k: self.typed(f"{name}.{k}", v) for k, v in values.items()})
+
+    def positive(self, key: str, value: Any, allow_zero: bool = False) -> None:
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            self.fail(key, f"must be {bound}, got {value}")
+
+    def choice(self, key: str, value: str) -> None:
+        if value not in CHOICES[key]:
+            self.fail(key, f"{value!r} is not one of {', '.join(CHOICES[key])}")
+
+
+def resolve_path(text: str, base_dir: Path) -> str:
+    """`text` as a path, relative ones resolved against `base_dir`."""
+    path = Path(text).expanduser()
+    return str(path if path.is_absolute() else base_dir / path)
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether a model name is a path to a config (a bundled name has no slash and no .json)."""
+    return "/" in text or "\\" in text or text.endswith(".json")
+
+
+def check_ranges(v: Validator, cache: CacheConfig, scheduler: SchedulerConfig,
+                  workload: WorkloadConfig, seed: int) -> None:
+    """Values out of range or not among their choices."""
+    if cache.block_size <= 0 or cache.block_size & (cache.block_size - 1):
+        v.fail("cache.block_size", f"{cache.block_size} is not a positive power of two (8, 16, 32, ...)")
+    if not 0 < cache.gpu_memory_utilization <= 1:
+        v.fail("cache.gpu_memory_utilization", f"{cache.gpu_memory_utilization} is not in (0, 1]")
+    if not 0 <= cache.watermark < 1:
+        v.fail("cache.watermark", f"{cache.watermark} is not in [0, 1)")
+    v.positive("cache.memory_budget_gib", cache.memory_budget_gib)
+    v.positive("cache.swap_space_gib", cache.swap_space_gib, allow_zero=True)
+    v.positive("cache.num_gpu_blocks_override", cache.num_gpu_blocks_override)
+    if cache.preemption_mode == "swap" and cache.swap_space_gib == 0:
+        v.fail("cache.swap_space_gib", "must be > 0 when cache.preemption_mode is swap")
+    v.positive("scheduler.max_num_seqs", scheduler.max_num_seqs)
+    v.positive("scheduler.max_num_batched_tokens", scheduler.max_num_batched_tokens)
+    v.positive("scheduler.long_prefill_token_threshold", scheduler.long_prefill_token_threshold,
+               allow_zero=True)
+    v.positive("scheduler.max_model_len", scheduler.max_model_len)
+    v.positive("workload.time_scale", workload.time_scale)
+    v.positive("workload.limit", workload.limit)
+    v.positive("seed", seed, allow_zero=True)
+    sections = {"cache": cache, "scheduler": scheduler, "workload": workload}
+    for key in CHOICES:
+        section, name = key.split(".")
+        v.choice(key, getattr(sections[section], name))
+    if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
+        v.fail("scheduler.max_num_batched_tokens",
+               f"{scheduler.max_num_batched_tokens} is smaller than scheduler.max_num_seqs "
+               f"({scheduler.max_num_seqs})")
+
+
+def check_workload(v: Validator, workload: WorkloadConfig, base_dir: Path) -> None:
+    """Exactly one of a trace file (resolved against base_dir, must exist) and a generator."""
+    if workload.trace is None and workload.synthetic is None:
+        v.fail("workload", "set workload.trace (a trace file) or workload.synthetic (a generator)")
+    if workload.trace is not None and workload.synthetic is not None:
+        v.fail("workload", "set workload.trace or workload.synthetic, not both")
+    if workload.trace is not None:
+        workload.trace = Path(resolve_path(str(workload.trace), base_dir))
+        if not workload.trace.is_file():
+            v.fail("workload.trace", f"no such file: {workload.trace}")
+
+
+def check_against_model(v: Validator, scheduler: SchedulerConfig, model: Any) -> None:
+    """Default max_model_len to the model's context (as vLLM does) and check the token budget."""
+    if scheduler.max_model_len is None:
+        scheduler.max_model_len = model.max_position_embeddings
+    elif scheduler.max_model_len > model.max_position_embeddings:
+        v.fail("scheduler.max_model_len",
+               f"{scheduler.max_model_len} exceeds {model.name}'s max_position_embeddings "
+               f"({model.max_position_embeddings})")
+    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < scheduler.max_model_len:
+        v.fail("scheduler.max_num_batched_tokens",
+               f"{scheduler.max_num_batched_tokens} is smaller than max_model_len "
+               f"({scheduler.max_model_len}) with chunked prefill off: a long prompt could never "
+               "be scheduled (enable chunked prefill or lower scheduler.max_model_len)")
+
+
