@@ -62,3 +62,32 @@ def test_a_decode_step_has_no_prefill_terms_and_a_mixed_step_has_them(quickstart
 def test_explain_past_the_last_step_names_how_many_there_are(quickstart):
     with pytest.raises(InputError, match="--step 100000: the simulation has"):
         explain_step(quickstart, 100_000)
+
+
+def test_simkv_explain_prints_the_terms_and_json_whose_sum_is_the_seconds():
+    from tests.test_cli_commands import simkv as run_simkv
+    args = ("explain", "scenarios/quickstart.yaml", "--step", "100",
+            "--set", "workload.synthetic.num_requests=60")
+    text = run_simkv(*args)
+    assert text.returncode == 0, text.stderr
+    assert "linear" in text.stdout and "total" in text.stdout
+    out = run_simkv(*args, "--json")
+    import json
+    found = json.loads(out.stdout)
+    assert set(found) >= {"step", "plan", "terms", "seconds"} and found["step"] == 100
+    assert found["seconds"] == math.fsum(found["terms"].values())
+    bad = run_simkv("explain", "scenarios/quickstart.yaml", "--step", "0")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --step: must be >= 1, got 0"
+
+
+def test_simkv_run_step_terms_writes_a_column_per_term(tmp_path):
+    import pandas as pd
+    from tests.test_cli_commands import simkv as run_simkv
+    done = run_simkv("run", "scenarios/quickstart.yaml", "--set",
+                     "workload.synthetic.num_requests=30", "--step-terms", "--json",
+                     "--out", tmp_path)
+    assert done.returncode == 0, done.stderr
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    terms = steps.filter(like="term_")
+    assert "term_linear" in terms and "term_clock" in terms
+    assert terms.sum(axis=1).to_numpy() == pytest.approx(steps["duration_s"].to_numpy(), rel=1e-9)

@@ -25,6 +25,7 @@ app = typer.Typer(
 )
 app.command("size")(run.size)
 app.command("run")(run.run)
+app.command("explain")(run.explain)
 app.add_typer(trace.trace_app, name="trace")
 app.command("sweep")(whatif.sweep)
 app.command("capacity")(whatif.capacity)

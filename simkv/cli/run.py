@@ -91,20 +91,15 @@ def run(
     trace_format: Optional[str] = typer.Option(None, "--trace-format", help="auto|azure|mooncake|burstgpt|csv"),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default results/<scenario name>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    step_terms: bool = typer.Option(False, "--step-terms",
+                                    help="Add a term_<name> column per cost term to steps.csv (seconds)."),
 ) -> None:
     """Simulate one scenario: print a summary, write summary.json, requests.csv, steps.csv."""
-    from simkv.config.scenario import load_scenario, parse_set
-    from simkv.sim.engine import simulate
+    from simkv.config.scenario import load_scenario
 
-    overrides = parse_set(set_)
-    if trace is not None:
-        overrides["workload.trace"] = str(trace.resolve())
-        overrides["workload.synthetic"] = None
-    if trace_format is not None:
-        overrides["workload.format"] = trace_format
-    scn = load_scenario(scenario, overrides)
-    require("simkv.sim.engine", "simulate", "run")
-    result = simulate(scn, progress=not as_json)
+    scn = load_scenario(scenario, _run_overrides(set_, trace, trace_format))
+    simulate = require("simkv.sim.engine", "simulate", "run")
+    result = simulate(scn, progress=not as_json, step_terms=step_terms)
     out_dir = out if out is not None else Path("results") / scn.name
     result.write(out_dir)
     if as_json:
@@ -112,3 +107,34 @@ def run(
         return
     print_summary(result.summary, title=f"{scn.name}: {scn.model.name} on {scn.gpu.name}")
     console().print(f"results written to {out_dir}/")
+
+
+def explain(
+    scenario: Path = typer.Argument(..., help="Scenario YAML file."),
+    step: int = typer.Option(..., "--step", help="The step to explain (steps.csv's `step`, from 1)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a scenario key: KEY=VALUE (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print {step, plan, terms, seconds} as JSON."),
+) -> None:
+    """One simulated step: its plan and the cost model's terms, which sum to its seconds."""
+    from simkv.config.scenario import load_scenario
+
+    scn = load_scenario(scenario, _run_overrides(set_, None, None))
+    explain_step = require("simkv.sim.explain", "explain_step", "explain")
+    found = explain_step(scn, step)
+    if as_json:
+        print_json(found)
+        return
+    from simkv.sim.explain import format_explanation
+    print(format_explanation(found))
+
+
+def _run_overrides(set_: list[str], trace: Optional[Path], trace_format: Optional[str]) -> dict:
+    from simkv.config.scenario import parse_set
+
+    overrides = parse_set(set_)
+    if trace is not None:
+        overrides["workload.trace"] = str(trace.resolve())
+        overrides["workload.synthetic"] = None
+    if trace_format is not None:
+        overrides["workload.format"] = trace_format
+    return overrides

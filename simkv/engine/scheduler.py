@@ -103,15 +103,21 @@ class Scheduler:
         if self._rejected:
             plan.rejected = [r.request_id for r in self._rejected]
             self._rejected = []
-        kv = self.kv
-        budget = self.max_num_batched_tokens
-        threshold = self.long_prefill_token_threshold
-        chunking = self.enable_chunked_prefill
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        if not plan.preempted:
+            budget = self._resume_swapped(plan, budget)
+            if not self.swapped:
+                self._admit_waiting(plan, now, budget)
+        self._finalise(plan)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        """Running requests first, in admission order, preempting when slots run out; returns
+        the token budget left."""
         scheduled = plan.scheduled
         running = self.running
-
+        allocate = self.kv.allocate_slots
         i = 0
-        allocate = kv.allocate_slots
         while i < len(running) and budget > 0:
             req = running[i]
             seqs = req.seqs
@@ -124,50 +130,52 @@ class Scheduler:
                     budget -= 1
                     i += 1
                     continue
-            mark = len(scheduled)     # this request's items start here
-            preempted_self = False
-            for seq in seqs:
-                computed = seq.num_computed_tokens
-                num_new = seq.num_tokens - computed
-                if num_new == 0 or (computed == 0 and seq is not seqs[0]):
-                    continue          # a sample waiting to re-fork from the first (_refork)
-                if num_new > 1:
-                    if threshold and num_new > threshold:
-                        num_new = threshold
-                    if num_new > budget:
-                        if not chunking:
-                            continue
-                        num_new = budget
-                if budget <= 0:
-                    break
-                while not kv.allocate_slots(seq, num_new):
-                    victim, index = self._preempt(plan)
-                    if victim is req:
-                        preempted_self = True
-                        break
-                    if index < i:          # priority policy: a request already served this step
-                        i -= 1
-                        mark -= self._count_items(plan, victim)
-                        budget += self._unschedule(plan, victim)
-                if preempted_self:
-                    break
-                scheduled.append(ScheduledSeq(seq, computed, num_new,
-                                              num_new == 1 and computed >= req.prompt_tokens))
-                budget -= num_new
-            if preempted_self:        # its items leave the plan; running shrank under us
-                for item in scheduled[mark:]:
-                    budget += item.num_tokens
-                del scheduled[mark:]
-                continue
-            i += 1
+            i, budget = self._schedule_request(plan, req, i, budget)
+        return budget
 
-        if not plan.preempted:
-            budget = self._resume_swapped(plan, budget)
-            if not self.swapped:
-                self._admit_waiting(plan, now, budget)
-
-        self._finalise(plan)
-        return plan
+    def _schedule_request(self, plan: StepPlan, req: Request, i: int, budget: int) -> tuple:
+        """The sequences of running request `req` (index `i`): decodes and prefill chunks.
+        Returns (index of the next running request, token budget left)."""
+        kv = self.kv
+        threshold = self.long_prefill_token_threshold
+        scheduled = plan.scheduled
+        seqs = req.seqs
+        mark = len(scheduled)         # this request's items start here
+        preempted_self = False
+        for seq in seqs:
+            computed = seq.num_computed_tokens
+            num_new = seq.num_tokens - computed
+            if num_new == 0 or (computed == 0 and seq is not seqs[0]):
+                continue              # a sample waiting to re-fork from the first (_refork)
+            if num_new > 1:
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        continue
+                    num_new = budget
+            if budget <= 0:
+                break
+            while not kv.allocate_slots(seq, num_new):
+                victim, index = self._preempt(plan)
+                if victim is req:
+                    preempted_self = True
+                    break
+                if index < i:              # priority policy: a request already served this step
+                    i -= 1
+                    mark -= self._count_items(plan, victim)
+                    budget += self._unschedule(plan, victim)
+            if preempted_self:
+                break
+            scheduled.append(ScheduledSeq(seq, computed, num_new,
+                                          num_new == 1 and computed >= req.prompt_tokens))
+            budget -= num_new
+        if preempted_self:            # its items leave the plan; running shrank under us
+            for item in scheduled[mark:]:
+                budget += item.num_tokens
+            del scheduled[mark:]
+            return i, budget
+        return i + 1, budget
 
     def _admit_waiting(self, plan: StepPlan, now: float, budget: int) -> None:
         kv = self.kv
@@ -310,28 +318,7 @@ class Scheduler:
 
     def _finalise(self, plan: StepPlan) -> None:
         """The plan's token counts, block copies and the state snapshot."""
-        prefill_tokens = decode_tokens = prefill_seqs = 0
-        decode_ctx = prefill_ctx = pairs = longest = 0
-        for item in plan.scheduled:
-            if item.is_decode:
-                decode_tokens += 1
-                ctx = item.start + 1
-                decode_ctx += ctx
-                if ctx > longest:
-                    longest = ctx
-            else:
-                n = item.num_tokens
-                prefill_seqs += 1
-                prefill_tokens += n
-                prefill_ctx += item.start + n
-                pairs += n * item.start + n * (n + 1) // 2
-        plan.decode_max_context = longest
-        plan.num_prefill_tokens = prefill_tokens
-        plan.num_decode_tokens = decode_tokens
-        plan.num_prefill_seqs = prefill_seqs
-        plan.decode_context_tokens = decode_ctx
-        plan.prefill_context_tokens = prefill_ctx
-        plan.prefill_attention_pairs = pairs
+        plan.count_tokens()
         if self.kv.copies:
             plan.block_copies = self.kv.take_copies()
         plan.num_running = len(self.running)
