@@ -3,10 +3,11 @@
     outputs = executor.execute(plan)      # {seq_id: token id}, greedy
 
 Per step: swap-outs, copy-on-write block copies and swap-ins are applied first (in that order: a
-block freed by a swap-out may be a copy's destination in the same step; `_order_swap_outs` has
-the one exception), then one forward over the flattened batch, then greedy sampling (argmax of
-the last token's logits) for every sequence whose chunk reaches the end of its known tokens. Inputs (token ids, positions, slot mapping, block
-tables, varlen metadata) are built on the host with numpy and sent in one copy per dtype.
+block freed by a swap-out may be a copy's destination in the same step; `swap.order_swap_outs`
+has the one exception), then one forward over the flattened batch, then greedy sampling (argmax
+of the last token's logits) for every sequence whose chunk reaches the end of its known tokens.
+Inputs (token ids, positions, slot mapping, block tables, varlen metadata) are built on the host
+with numpy and sent in one copy per dtype (`simkv.gpu.step_inputs`).
 
 Decode-only steps, and steps with prefill chunks of up to 2,048 tokens, run as CUDA graphs over
 static input buffers (`simkv.gpu.graph_steps`); larger steps run eagerly, bound by device work
@@ -27,55 +28,14 @@ import time
 import numpy as np
 import torch
 
+from simkv.gpu.attention import AttentionMetadata
 from simkv.gpu.host import collection_held
-from simkv.gpu.model import AttentionMetadata, LlamaModel
-
+from simkv.gpu.model import LlamaModel
+from simkv.gpu.step_inputs import Staging, cdiv, host_inputs, pad_tables
 
 
 def poison_enabled() -> bool:
     return os.environ.get("SIMKV_POISON_FREED", "") not in ("", "0", "false", "False")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# Triton compiles a kernel variant per pointer alignment (16 bytes or not) and per integer
-# argument equal to 1 or divisible by 16. Arrays packed into one upload start 16-byte aligned and
-# block tables are padded to a multiple of 16 columns, so that a run meets a handful of variants,
-# all compiled by `warmup()`, instead of compiling (for ~1 s) in the middle of a measured step.
-ALIGN_BYTES = 16
-TABLE_WIDTH_MULTIPLE = 16
-
-
-class _Staging:
-    """A growable host buffer (pinned on CUDA) and its device copy, one per integer dtype."""
-
-    def __init__(self, dtype, device):
-        self.dtype = dtype
-        self.device = device
-        self.pinned = device.type == "cuda"
-        self.host = torch.empty(0, dtype=dtype)
-
-    def upload(self, arrays: list) -> list:
-        """Pack host arrays into one buffer, copy it to the device once; returns device views."""
-        align = ALIGN_BYTES // self.host.element_size()
-        sizes = [len(a) for a in arrays]
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += _cdiv(n, align) * align
-        if self.host.numel() < total:
-            self.host = torch.empty(max(total, 2 * self.host.numel(), 1024), dtype=self.dtype,
-                                    pin_memory=self.pinned)
-        view = self.host.numpy()
-        for a, n, offset in zip(arrays, sizes, offsets):
-            view[offset:offset + n] = a
-        if self.device.type == "cuda":
-            dev = self.host[:total].to(self.device, non_blocking=True)
-        else:
-            dev = self.host[:total].clone()
-        return [dev[offset:offset + n] for n, offset in zip(sizes, offsets)]
 
 
 class GpuExecutor:
@@ -89,25 +49,12 @@ class GpuExecutor:
                  static_inputs: bool = False):
         """`device` 'cuda' | 'cpu' (default: cuda when available); `dtype` default bfloat16 on
         CUDA, float64 on CPU; `attention` 'triton' | 'reference' (default: triton on CUDA,
-        reference on CPU; triton on CPU needs TRITON_INTERPRET=1). `num_host_blocks` bounds the swap space
-        (allocated as needed). `max_model_len` sizes the graphs' block tables."""
+        reference on CPU; triton on CPU needs TRITON_INTERPRET=1). `num_host_blocks` bounds the
+        swap space (allocated as needed). `max_model_len` sizes the graphs' block tables."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         is_cuda = self.device.type == "cuda"
-        if dtype is None:
-            dtype = torch.bfloat16 if is_cuda else torch.float64
-        if isinstance(dtype, str):
-            dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                     "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
-                     "fp64": torch.float64, "float64": torch.float64}[dtype]
-        if attention is None:
-            attention = "triton" if is_cuda else "reference"
-        if attention == "triton":
-            if dtype == torch.float64:
-                raise ValueError("the Triton kernels take float32/16-bit caches; float64 needs "
-                                 "attention='reference'")
-            if not is_cuda and not _interpreting():
-                raise ValueError("attention='triton' on CPU needs TRITON_INTERPRET=1 set before "
-                                 "triton is imported")
+        dtype = _torch_dtype(dtype, is_cuda)
+        attention = _attention_backend(attention, dtype, is_cuda)
         self.spec = model_spec
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -123,29 +70,41 @@ class GpuExecutor:
         self.num_graph_steps = 0           # decode-only steps run as CUDA graphs
         self.num_mixed_graph_steps = 0     # steps with prefill chunks run as CUDA graphs
         self.num_eager_steps = 0
+        self._allocate(seed, profile_memory)
+        self._prepare_steps(enforce_eager, static_inputs)
 
+    # -- setup --------------------------------------------------------------------------------
+    def _allocate(self, seed: int, profile_memory: bool) -> None:
+        """The model's weights, then (on CUDA) the activation workspace profile, then the KV
+        pool; the memory ledger snapshots each stage."""
         from simkv.gpu.ledger import MemoryLedger
+        is_cuda = self.device.type == "cuda"
         self.ledger = MemoryLedger(self.device) if is_cuda else None
-        self.model = LlamaModel(model_spec, self.device, dtype, seed, attention)
+        self.model = LlamaModel(self.spec, self.device, self.dtype, seed, self.attention)
         self.weight_bytes = self.model.weight_bytes
         if self.ledger:
             self.ledger.snapshot("weights")
         self.profile = {}
         if is_cuda and profile_memory:
-            self.profile = self.profile_activation(max_num_batched_tokens, max_num_seqs)
+            self.profile = self.profile_activation(self.max_num_batched_tokens, self.max_num_seqs)
             self.ledger.snapshot("profile")
         if is_cuda:
-            self._check_fits(num_blocks)
-        self.caches = self.model.allocate_kv_cache(num_blocks, block_size)
+            self._check_fits(self.num_blocks)
+        self.caches = self.model.allocate_kv_cache(self.num_blocks, self.block_size)
         self.kv_pool_bytes = self.caches.numel() * self.caches.element_size()
         if self.ledger:
             self.ledger.snapshot("kv_pool")
         self.swap_space = None
-        self._i64 = _Staging(torch.int64, self.device)
-        self._i32 = _Staging(torch.int32, self.device)
-        self.use_graphs = is_cuda and not enforce_eager and attention == "triton"
+        self._i64 = Staging(torch.int64, self.device)
+        self._i32 = Staging(torch.int32, self.device)
+
+    def _prepare_steps(self, enforce_eager: bool, static_inputs: bool) -> None:
+        """Compile the eager steps' kernel variants and build (and on CUDA capture) the
+        fixed-shape steps."""
+        is_cuda = self.device.type == "cuda"
+        self.use_graphs = is_cuda and not enforce_eager and self.attention == "triton"
         self.static_inputs = self.use_graphs or static_inputs
-        if is_cuda and attention == "triton":
+        if is_cuda and self.attention == "triton":
             self.warmup()
             torch.cuda.empty_cache()
             self.ledger.snapshot("warmup")
@@ -159,7 +118,6 @@ class GpuExecutor:
         if self.ledger:
             self.ledger.reset_peak()
 
-    # -- setup --------------------------------------------------------------------------------
     def _check_fits(self, num_blocks: int) -> None:
         bytes_per_block = (2 * self.spec.num_layers * self.block_size * self.spec.num_kv_heads
                            * self.spec.head_dim * torch.finfo(self.dtype).bits // 8)
@@ -180,7 +138,7 @@ class GpuExecutor:
         temporary cache the forward writes into is excluded. Returns base + per-token fit."""
         peaks = {}
         for tokens in (num_tokens, max(1, num_tokens // 2)):
-            blocks = _cdiv(tokens, self.block_size)
+            blocks = cdiv(tokens, self.block_size)
             cache = self.model.allocate_kv_cache(blocks, self.block_size)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -217,12 +175,12 @@ class GpuExecutor:
         bs, n = self.block_size, self.num_blocks
         vocab = self.spec.vocab_size
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        many = _cdiv(4 * sms, self.spec.num_kv_heads)     # enough rows for a single split
+        many = cdiv(4 * sms, self.spec.num_kv_heads)     # enough rows for a single split
 
         def item(start: int, count: int) -> ScheduledSeq:
             total = start + count
             seq = SimpleNamespace(token_ids=[i % vocab for i in range(total)], num_tokens=total,
-                                  block_table=[b % n for b in range(_cdiv(total, bs))], seq_id=0)
+                                  block_table=[b % n for b in range(cdiv(total, bs))], seq_id=0)
             return ScheduledSeq(seq, start, count, count == 1)
 
         for num_prefill, num_decode in ((1, 2), (2, many), (16, 1)):
@@ -236,7 +194,7 @@ class GpuExecutor:
         """Run `plan`: memory operations, then the forward; returns {seq_id: greedy token}.
 
         `kv` (the scheduler's KV manager, optional) orders a swap-out after a copy-on-write in
-        the one case the plan's lists cannot express (see `_order_swap_outs`).
+        the one case the plan's lists cannot express (see `swap.order_swap_outs`).
 
         Afterwards `last_gpu_s` is the CUDA-event span from the first memory operation to the
         sampled tokens on the host: the host input preparation, the forward, sampling and the
@@ -298,7 +256,7 @@ class GpuExecutor:
         # With poisoning, a copy's or swap-in's destination (possibly an evicted cache block with
         # finite, stale K/V) is poisoned just before it is written, so that a copy or swap-in
         # that does not happen cannot go unnoticed. Not earlier: a swap-out may read it first.
-        early, late = _order_swap_outs(plan, kv)
+        early, late = swap.order_swap_outs(plan, kv)
         if early:
             self._ensure_host_capacity(1 + max(h for _, h in early))
             swap.swap_out(self.caches, self.swap_space, early)
@@ -345,34 +303,9 @@ class GpuExecutor:
             space.blocks[:have].copy_(self.swap_space.blocks)
         self.swap_space = space
 
-    def _host_inputs(self, items):
-        """Per item: token ids, positions, cache slots, block-table row, context and query length."""
-        bs = self.block_size
-        ids, pos, slots, tables, seq_lens, q_lens = [], [], [], [], [], []
-        for it in items:
-            seq = it.seq
-            start, n = it.start, it.num_tokens
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            p = np.arange(start, start + n, dtype=np.int64)
-            ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table[:_cdiv(start + n, bs)])
-            seq_lens.append(start + n)
-            q_lens.append(n)
-        return ids, pos, slots, tables, seq_lens, q_lens
-
-    @staticmethod
-    def _pad_tables(tables: list) -> np.ndarray:
-        width = _cdiv(max(len(t) for t in tables), TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
-        out = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            out[i, :len(t)] = t
-        return out
-
     def _run_eager(self, prefill: list, single: list):
         t0 = time.perf_counter()
-        ids, pos, slots, tables, seq_lens, q_lens = self._host_inputs(prefill + single)
+        ids, pos, slots, tables, seq_lens, q_lens = host_inputs(prefill + single, self.block_size)
         num_p = len(prefill)
         num_prefill_tokens = int(sum(q_lens[:num_p]))
         ends = np.cumsum([0] + q_lens)
@@ -380,10 +313,10 @@ class GpuExecutor:
         i64 = [np.concatenate(ids), np.concatenate(pos), np.concatenate(slots), rows]
         i32 = []
         if num_p:
-            pt = self._pad_tables(tables[:num_p])
+            pt = pad_tables(tables[:num_p])
             i32 += [pt.ravel(), ends[:num_p + 1], np.asarray(seq_lens[:num_p])]
         if single:
-            dt = self._pad_tables(tables[num_p:])
+            dt = pad_tables(tables[num_p:])
             i32 += [dt.ravel(), np.asarray(seq_lens[num_p:])]
         d_ids, d_pos, d_slots, d_rows = self._i64.upload(i64)
         d32 = self._i32.upload(i32)
@@ -426,24 +359,31 @@ class GpuExecutor:
             self.caches.index_fill_(2, index, float("nan"))
 
 
-def _order_swap_outs(plan, kv) -> tuple:
-    """Split `plan.swap_out` into the pairs applied before the block copies and those after.
+def _torch_dtype(dtype, is_cuda: bool):
+    """The cache and weight dtype: a torch dtype or its name; default bfloat16 on CUDA, float64
+    on CPU."""
+    if dtype is None:
+        return torch.bfloat16 if is_cuda else torch.float64
+    if isinstance(dtype, str):
+        return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+                "fp64": torch.float64, "float64": torch.float64}[dtype]
+    return dtype
 
-    Swap-outs normally come first: a block a victim gives up may become a copy's destination in
-    the same step. But a request can also preempt itself (swap mode) after one of its sequences
-    got a copy-on-write this step; its swap-out of that destination must see the copy. That
-    destination is then free once scheduling is over, which tells the two cases apart (given
-    the KV manager); its last swap-out goes after the copies.
-    """
-    if not (plan.block_copies and plan.swap_out) or getattr(kv, "pool", None) is None:
-        return plan.swap_out, []
-    free = kv.pool.free_queue
-    last = {device: i for i, (device, _) in enumerate(plan.swap_out)}
-    late = {last[dst] for _, dst in plan.block_copies if dst in last and dst in free}
-    if not late:
-        return plan.swap_out, []
-    return ([p for i, p in enumerate(plan.swap_out) if i not in late],
-            [plan.swap_out[i] for i in sorted(late)])
+
+def _attention_backend(attention, dtype, is_cuda: bool) -> str:
+    """'triton' or 'reference' (default: triton on CUDA, reference on CPU), checked against the
+    dtype and device."""
+    if attention is None:
+        attention = "triton" if is_cuda else "reference"
+    if attention == "triton":
+        if dtype == torch.float64:
+            raise ValueError("the Triton kernels take float32/16-bit caches; float64 needs "
+                             "attention='reference'")
+        if not is_cuda and not _interpreting():
+            raise ValueError("attention='triton' on CPU needs TRITON_INTERPRET=1 set before "
+                             "triton is imported")
+    return attention
 
 
 def _interpreting() -> bool:

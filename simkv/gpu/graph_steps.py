@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from simkv.launch_policy import decode_graph_sizes, mixed_graph_sizes
-from simkv.gpu.model import AttentionMetadata
+from simkv.gpu.attention import AttentionMetadata
+from simkv.gpu.step_inputs import host_inputs
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -238,7 +239,7 @@ class GraphSteps:
         rows[:n_dec] = np.arange(n_dec)          # a decode row samples its only token
         i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
         # the chunks, after the decode rows
-        ids, pos, slots, pf_tables, seq_lens, q_lens = self.ex._host_inputs(prefill)
+        ids, pos, slots, pf_tables, seq_lens, q_lens = host_inputs(prefill, self.ex.block_size)
         ends = n_dec + np.cumsum([0] + q_lens)
         used = int(ends[-1])
         h[0, n_dec:used] = np.concatenate(ids)

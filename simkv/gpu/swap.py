@@ -147,3 +147,23 @@ def swap_in(caches: Caches, swap_space: HostSwapSpace, mapping) -> None:
             staging[pos : pos + length].copy_(blocks[host_start : host_start + length], non_blocking=non_blocking)
         _scatter(caches, chunk[:, 0].to(device), staging)
         del staging       # before the next chunk's buffer (see swap_out)
+
+
+def order_swap_outs(plan, kv) -> tuple:
+    """Split `plan.swap_out` into the pairs applied before the block copies and those after.
+
+    Swap-outs normally come first: a block a victim gives up may become a copy's destination in
+    the same step. But a request can also preempt itself (swap mode) after one of its sequences
+    got a copy-on-write this step; its swap-out of that destination must see the copy. That
+    destination is then free once scheduling is over, which tells the two cases apart (given
+    the KV manager); its last swap-out goes after the copies.
+    """
+    if not (plan.block_copies and plan.swap_out) or getattr(kv, "pool", None) is None:
+        return plan.swap_out, []
+    free = kv.pool.free_queue
+    last = {device: i for i, (device, _) in enumerate(plan.swap_out)}
+    late = {last[dst] for _, dst in plan.block_copies if dst in last and dst in free}
+    if not late:
+        return plan.swap_out, []
+    return ([p for i, p in enumerate(plan.swap_out) if i not in late],
+            [plan.swap_out[i] for i in sorted(late)])
