@@ -72,7 +72,7 @@ def _fastest(variants: dict, q, k, v) -> tuple[float, str, torch.Tensor, Callabl
         try:
             kv = prepare(k, v)
             result = call(q, kv)
-            t = time_us(lambda: call(q, kv))
+            t = time_us(lambda kv=kv: call(q, kv))   # bound now: kv is deleted below
         except RuntimeError as e:  # a backend that refuses this shape
             print(f"  sdpa variant {name} failed: {str(e).splitlines()[0][:120]}", file=sys.stderr)
             continue

@@ -43,187 +43,245 @@ def _geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("inf")
 
 
+class _Sweep:
+    """What the stages share: the device, generator and time budget, every measurement row and
+    note so far, and each stage's results."""
+
+    def __init__(self, device, time_budget_s: float | None):
+        from simkv.gpu.kernels._common import sm_count
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(1)
+        torch.manual_seed(1)
+        self.budget = Budget(time_budget_s)
+        self.sms = sm_count(self.device)
+        self.rows, self.notes = [], []
+        self.times = {}          # (point, splits, fused) -> decode steady µs
+        self.splits_of = {}      # (point, policy) -> splits
+        self.sdpa_steady = {}    # decode point -> SDPA steady µs
+        self.pcost = {}          # PrefillConfig -> {point: µs}
+        self.sdpa_prefill = {}   # prefill point -> SDPA µs
+
+    def record(self, stage, point, m, baseline_us=None, **extra) -> dict:
+        """Keep one measurement row (and print it)."""
+        row = {"stage": stage, "point": "x".join(map(str, point)), **extra, **m}
+        if baseline_us is not None and "steady_time_us" in m:
+            row["sdpa_steady_us"] = round(baseline_us, 3)
+            row["vs_sdpa_steady"] = round(baseline_us / m["steady_time_us"], 3)
+        self.rows.append(row)
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k not in ("stage", "point")}
+        print(f"  {stage} {row['point']} {shown}", flush=True)
+        return row
+
+
 def run_tune(out_dir, quick: bool = False, time_budget_s: float | None = None, device="cuda") -> dict:
     """Sweep launch parameters; write every measurement to `<out_dir>/tune.csv` and the choices
     to `<out_dir>/best.json` (the `kernels --configs` format plus the constants to set in the
     code); return the choices. `quick`: decode split policy and merge at batch 1/4/8 × 4096 and
     16384, and the prefill sweep at 8 × 2048 only. Each stage starts only while `time_budget_s`
     lasts (the prefill sweep checks it before every configuration); failures are recorded."""
-    import dataclasses
-
     import pandas as pd
 
-    from simkv.gpu.kernels import DecodeConfig, PrefillConfig, decode_config, decode_num_splits, prefill_config
-    from simkv.gpu.kernels._common import sm_count
+    from simkv.gpu.kernels import decode_config, prefill_config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(1)
-    torch.manual_seed(1)
-    budget = Budget(time_budget_s)
-    sms = sm_count(device)
-    rows, notes = [], []
-
-    def record(stage, point, m, baseline_us=None, **extra):
-        row = {"stage": stage, "point": "x".join(map(str, point)), **extra, **m}
-        if baseline_us is not None and "steady_time_us" in m:
-            row["sdpa_steady_us"] = round(baseline_us, 3)
-            row["vs_sdpa_steady"] = round(baseline_us / m["steady_time_us"], 3)
-        rows.append(row)
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k not in ("stage", "point")}
-        print(f"  {stage} {row['point']} {shown}", flush=True)
-        return row
-
-    # 1. decode: split rule and merge (fused or a second kernel) at small batches, block 16
+    sw = _Sweep(device, time_budget_s)
     base_cfg = TUNED.get("decode_configs", {}).get(16) or decode_config(16, HEAD_DIM, DTYPE)
-    times = {}   # (point, splits, fused) -> steady µs
-    splits_of = {}   # (point, policy) -> splits
-    sdpa_steady = {}
+    _tune_decode_splits(sw, base_cfg)
+    points_done = sorted(sw.sdpa_steady)
+    scores = _split_policy_scores(sw, points_done)
+    best_policy, best_fused = min(scores, key=scores.get) if scores else (
+        (None, None), base_cfg.fused_merge)
+    best_decode = _tune_decode_configs(sw, quick, best_fused)
+    _tune_prefill(sw, quick)
+    default_prefill = prefill_config(HEAD_DIM, DTYPE)
+    best_prefill = min(sw.pcost, key=lambda c: _prefill_score(sw, c)) if sw.pcost else default_prefill
+    evidence = _evidence(sw, scores, points_done, best_prefill, default_prefill)
+    best = _best(quick, best_policy, best_fused, best_decode, best_prefill, evidence)
+    pd.DataFrame(sw.rows).to_csv(out_dir / "tune.csv", index=False)
+    (out_dir / "best.json").write_text(json.dumps(best, indent=2) + "\n")
+    _print_tune_summary(scores, sw.splits_of, points_done, sw.times, sw.sdpa_steady, sw.pcost,
+                        sw.sdpa_prefill, best)
+    return best
+
+
+def _tune_decode_splits(sw: _Sweep, base_cfg) -> None:
+    """Stage 1: the decode split rule and merge (fused or a second kernel) at small batches,
+    block size 16, against SDPA's steady time (sw.times, sw.splits_of, sw.sdpa_steady)."""
+    import dataclasses
+
+    from simkv.gpu.kernels import decode_num_splits
+
     for batch, context in TUNE_DECODE_POINTS:
-        if budget.left() <= 0:
-            notes.append(f"decode point {batch}x{context} not measured (time budget)")
+        if sw.budget.left() <= 0:
+            sw.notes.append(f"decode point {batch}x{context} not measured (time budget)")
             continue
         point = (batch, context)
         try:
-            setup = decode_setup(batch, context, device)
+            setup = decode_setup(batch, context, sw.device)
             nbytes = decode_bytes(batch, context)
-            sdpa_steady[point] = baseline_steady(setup, nbytes)[0]
-            paged = paged_copy(setup.k, setup.v, 16, gen)
-            sets = rotation(setup, paged, nbytes, gen)
+            sw.sdpa_steady[point] = baseline_steady(setup, nbytes)[0]
+            paged = paged_copy(setup.k, setup.v, 16, sw.gen)
+            sets = rotation(setup, paged, nbytes, sw.gen)
         except Exception as e:  # noqa: BLE001
-            notes.append(f"decode point {point}: {errored('decode setup', point, e)['error']}")
+            sw.notes.append(f"decode point {point}: {errored('decode setup', point, e)['error']}")
             continue
         for policy in TUNE_SPLIT_POLICIES:
-            splits_of[(point, policy)] = decode_num_splits(batch, NUM_KV_HEADS, context, base_cfg.tile, sms,
-                                                           split_programs_per_sm=policy[0],
-                                                           min_tiles_per_split=policy[1])
+            sw.splits_of[(point, policy)] = decode_num_splits(batch, NUM_KV_HEADS, context, base_cfg.tile, sw.sms,
+                                                              split_programs_per_sm=policy[0],
+                                                              min_tiles_per_split=policy[1])
         for fused in (True, False):
             cfg = dataclasses.replace(base_cfg, fused_merge=fused)
-            for splits in sorted({s for (p, _), s in splits_of.items() if p == point}):
+            for splits in sorted({s for (p, _), s in sw.splits_of.items() if p == point}):
                 try:
                     m = time_decode(setup, paged, cfg, splits, sets=sets)
                 except Exception as e:  # noqa: BLE001
-                    record("decode_splits", point, errored("decode", (point, splits, fused), e),
-                           num_splits=splits, fused_merge=fused)
+                    sw.record("decode_splits", point, errored("decode", (point, splits, fused), e),
+                              num_splits=splits, fused_merge=fused)
                     continue
                 if m["rel_err"] > PREFILL_MAX_REL_ERR:
-                    notes.append(f"decode {point} splits {splits} fused {fused}: rel_err {m['rel_err']:.3g}")
+                    sw.notes.append(f"decode {point} splits {splits} fused {fused}: rel_err {m['rel_err']:.3g}")
                     continue
-                times[(point, splits, fused)] = m["steady_time_us"]
-                record("decode_splits", point, m, sdpa_steady[point], block_size=16)
+                sw.times[(point, splits, fused)] = m["steady_time_us"]
+                sw.record("decode_splits", point, m, sw.sdpa_steady[point], block_size=16)
         del setup, paged, sets
         torch.cuda.empty_cache()
 
+
+def _split_policy_scores(sw: _Sweep, points_done: list) -> dict:
+    """(policy, fused) -> geomean of its steady time / SDPA's over the points measured, for the
+    policies measured at every one of them."""
     scores = {}
-    points_done = sorted(sdpa_steady)
     for policy in TUNE_SPLIT_POLICIES:
         for fused in (True, False):
-            ratios = [times.get((p, splits_of[(p, policy)], fused)) for p in points_done]
+            ratios = [sw.times.get((p, sw.splits_of[(p, policy)], fused)) for p in points_done]
             if points_done and all(r is not None for r in ratios):
-                scores[(policy, fused)] = _geomean(t / sdpa_steady[p] for t, p in zip(ratios, points_done))
-    best_policy, best_fused = min(scores, key=scores.get) if scores else (
-        (None, None), base_cfg.fused_merge)
+                scores[(policy, fused)] = _geomean(t / sw.sdpa_steady[p] for t, p in zip(ratios, points_done))
+    return scores
 
-    # 2. decode kernel configuration per block size at batch 64 × 4096 (unsplit there); not quick
+
+def _tune_decode_configs(sw: _Sweep, quick: bool, best_fused) -> dict:
+    """Stage 2 (not quick): the decode kernel configuration per block size at batch 64 × 4096
+    (unsplit there); returns block size -> DecodeConfig with the chosen merge, for every block
+    size (the tuned or default configuration where none was measured)."""
+    import dataclasses
+
+    from simkv.gpu.kernels import DecodeConfig, decode_config
+
     best_decode = {}
-    if not quick and budget.left() > 0:
+    if not quick and sw.budget.left() > 0:
         batch, context = TUNE_CONFIG_POINT
         try:
-            setup = decode_setup(batch, context, device)
+            setup = decode_setup(batch, context, sw.device)
             for block_size in BLOCK_SIZES:
-                if budget.left() <= 0:
+                if sw.budget.left() <= 0:
                     break
-                paged = paged_copy(setup.k, setup.v, block_size, gen)
-                sets = rotation(setup, paged, decode_bytes(batch, context), gen)
+                paged = paged_copy(setup.k, setup.v, block_size, sw.gen)
+                sets = rotation(setup, paged, decode_bytes(batch, context), sw.gen)
                 cfg_times = {}
                 for c in TUNE_DECODE_CONFIGS:
                     cfg = DecodeConfig(*c, fused_merge=best_fused)
                     try:
                         m = time_decode(setup, paged, cfg, sets=sets)
                     except Exception as e:  # noqa: BLE001
-                        record("decode_config", (batch, context, block_size), errored("decode", cfg, e))
+                        sw.record("decode_config", (batch, context, block_size), errored("decode", cfg, e))
                         continue
                     cfg_times[cfg] = m["steady_time_us"]
-                    record("decode_config", (batch, context, block_size), m, block_size=block_size)
+                    sw.record("decode_config", (batch, context, block_size), m, block_size=block_size)
                 if cfg_times:
                     best_decode[block_size] = min(cfg_times, key=cfg_times.get)
                 del paged, sets
             del setup
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
-            notes.append(f"decode config sweep: {errored('decode config sweep', '', e)['error']}")
+            sw.notes.append(f"decode config sweep: {errored('decode config sweep', '', e)['error']}")
     for block_size in BLOCK_SIZES:
         cfg = best_decode.get(block_size) or TUNED.get("decode_configs", {}).get(block_size) or decode_config(
             block_size, HEAD_DIM, DTYPE)
         best_decode[block_size] = dataclasses.replace(cfg, fused_merge=best_fused)
+    return best_decode
 
-    # 3. prefill tiles at 8 × 2048 new tokens (and 8 × 512 over 2048 cached unless quick), block 16
-    pcost = {}   # PrefillConfig -> {point: µs}
+
+def _tune_prefill(sw: _Sweep, quick: bool) -> None:
+    """Stage 3: the prefill tiles at 8 × 2048 new tokens (and 8 × 512 over 2048 cached unless
+    quick), block size 16 (sw.pcost, sw.sdpa_prefill)."""
     prefill_points = TUNE_PREFILL_POINTS[:1] if quick else TUNE_PREFILL_POINTS
-    sdpa_prefill = {}
     for point in prefill_points:
-        if budget.left() <= 0:
-            notes.append(f"prefill point {point} not measured (time budget)")
+        if sw.budget.left() <= 0:
+            sw.notes.append(f"prefill point {point} not measured (time budget)")
             continue
         try:
-            setup = prefill_setup(*point, device)
-            paged = paged_copy(setup.k, setup.v, 16, gen)
+            setup = prefill_setup(*point, sw.device)
+            paged = paged_copy(setup.k, setup.v, 16, sw.gen)
         except Exception as e:  # noqa: BLE001
-            notes.append(f"prefill point {point}: {errored('prefill setup', point, e)['error']}")
+            sw.notes.append(f"prefill point {point}: {errored('prefill setup', point, e)['error']}")
             continue
-        sdpa_prefill[point] = setup.baseline_us
-        flops = prefill_flops(*point)
-
-        def measure(cfg):
-            try:
-                m = time_prefill(setup, paged, cfg, steady=False)
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                record("prefill_config", point, errored("prefill", cfg, e), **dataclasses.asdict(cfg))
-                return
-            if m["rel_err"] > PREFILL_MAX_REL_ERR:
-                notes.append(f"prefill {point} {cfg}: rel_err {m['rel_err']:.3g}")
-                return
-            pcost.setdefault(cfg, {})[point] = m["time_us"]
-            record("prefill_config", point, m, block_size=16, tflops=round(flops / m["time_us"] / 1e6, 1),
-                   sdpa_tflops=round(flops / setup.baseline_us / 1e6, 1), vs_sdpa=round(setup.baseline_us / m["time_us"], 3))
-
+        sw.sdpa_prefill[point] = setup.baseline_us
         if point == prefill_points[0]:
-            # the front-runners with both ways of loading the block table, then the rest of the
-            # grid, then the other way for the fastest of the grid not yet tried both ways
-            grid = [PrefillConfig(*c) for c in prefill_tune_grid()]
-            grid = grid[:3] + [dataclasses.replace(c, prefetch_pages=not c.prefetch_pages) for c in grid[:3]] + grid[3:]
-            for cfg in grid:
-                if budget.left() <= 0:
-                    notes.append(f"prefill sweep stopped by the time budget before {cfg}")
-                    break
-                measure(cfg)
-            ranked = sorted((c for c in pcost if point in pcost[c]), key=lambda c: pcost[c][point])[:3]
-            for cfg in ranked:
-                twin = dataclasses.replace(cfg, prefetch_pages=not cfg.prefetch_pages)
-                if twin in pcost or budget.left() <= 0:
-                    continue
-                measure(twin)
+            _sweep_prefill_grid(sw, setup, paged, point)
         else:  # the front-runners only
-            ranked = sorted(pcost, key=lambda c: pcost[c].get(prefill_points[0], float("inf")))[:4]
+            ranked = sorted(sw.pcost, key=lambda c: sw.pcost[c].get(prefill_points[0], float("inf")))[:4]
             for cfg in ranked:
-                if budget.left() <= 0:
+                if sw.budget.left() <= 0:
                     break
-                measure(cfg)
+                _measure_prefill(sw, setup, paged, point, cfg)
         del setup, paged
         torch.cuda.empty_cache()
 
-    def prefill_score(cfg):
-        got = pcost[cfg]
-        if any(p not in got for p in sdpa_prefill):
-            return float("inf")
-        return _geomean(got[p] / sdpa_prefill[p] for p in sdpa_prefill)
 
-    default_prefill = prefill_config(HEAD_DIM, DTYPE)
-    best_prefill = min(pcost, key=prefill_score) if pcost else default_prefill
+def _sweep_prefill_grid(sw: _Sweep, setup, paged, point) -> None:
+    """The front-runners with both ways of loading the block table, then the rest of the grid,
+    then the other way for the fastest of the grid not yet tried both ways."""
+    import dataclasses
 
+    from simkv.gpu.kernels import PrefillConfig
+
+    grid = [PrefillConfig(*c) for c in prefill_tune_grid()]
+    grid = grid[:3] + [dataclasses.replace(c, prefetch_pages=not c.prefetch_pages) for c in grid[:3]] + grid[3:]
+    for cfg in grid:
+        if sw.budget.left() <= 0:
+            sw.notes.append(f"prefill sweep stopped by the time budget before {cfg}")
+            break
+        _measure_prefill(sw, setup, paged, point, cfg)
+    ranked = sorted((c for c in sw.pcost if point in sw.pcost[c]), key=lambda c: sw.pcost[c][point])[:3]
+    for cfg in ranked:
+        twin = dataclasses.replace(cfg, prefetch_pages=not cfg.prefetch_pages)
+        if twin in sw.pcost or sw.budget.left() <= 0:
+            continue
+        _measure_prefill(sw, setup, paged, point, twin)
+
+
+def _measure_prefill(sw: _Sweep, setup, paged, point, cfg) -> None:
+    """Time one prefill configuration at `point` into sw.pcost; a failure or a wrong result is
+    recorded instead."""
+    import dataclasses
+
+    flops = prefill_flops(*point)
+    try:
+        m = time_prefill(setup, paged, cfg, steady=False)
+    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+        sw.record("prefill_config", point, errored("prefill", cfg, e), **dataclasses.asdict(cfg))
+        return
+    if m["rel_err"] > PREFILL_MAX_REL_ERR:
+        sw.notes.append(f"prefill {point} {cfg}: rel_err {m['rel_err']:.3g}")
+        return
+    sw.pcost.setdefault(cfg, {})[point] = m["time_us"]
+    sw.record("prefill_config", point, m, block_size=16, tflops=round(flops / m["time_us"] / 1e6, 1),
+              sdpa_tflops=round(flops / setup.baseline_us / 1e6, 1), vs_sdpa=round(setup.baseline_us / m["time_us"], 3))
+
+
+def _prefill_score(sw: _Sweep, cfg) -> float:
+    """Geomean of the configuration's time / SDPA's over the prefill points (inf if it missed one)."""
+    got = sw.pcost[cfg]
+    if any(p not in got for p in sw.sdpa_prefill):
+        return float("inf")
+    return _geomean(got[p] / sw.sdpa_prefill[p] for p in sw.sdpa_prefill)
+
+
+def _evidence(sw: _Sweep, scores, points_done, best_prefill, default_prefill) -> dict:
     target = TUNE_PREFILL_POINTS[0]
-    evidence = {
+    pcost, sdpa_prefill = sw.pcost, sw.sdpa_prefill
+    return {
         "decode_policy_scores (geomean steady time / SDPA steady over the points)": {
             f"per_sm={p[0]} min_tiles={p[1]} fused={f}": round(v, 4) for (p, f), v in sorted(scores.items(), key=lambda x: x[1])},
         "decode_points_measured": [f"{b}x{c}" for b, c in points_done],
@@ -232,9 +290,14 @@ def run_tune(out_dir, quick: bool = False, time_budget_s: float | None = None, d
             "best_us": round(pcost[best_prefill][target], 2) if best_prefill in pcost and target in pcost[best_prefill] else None,
             "default_us": round(pcost[default_prefill][target], 2) if default_prefill in pcost and target in pcost[default_prefill] else None,
         },
-        "notes": notes,
+        "notes": sw.notes,
     }
-    best = {
+
+
+def _best(quick, best_policy, best_fused, best_decode, best_prefill, evidence) -> dict:
+    """best.json: the `kernels --configs` choices, the constants to set in the code, evidence."""
+    import dataclasses
+    return {
         # `kernels --configs` reads these
         "decode_configs": {str(b): dataclasses.asdict(c) for b, c in best_decode.items()},
         "split_programs_per_sm": best_policy[0],
@@ -253,10 +316,6 @@ def run_tune(out_dir, quick: bool = False, time_budget_s: float | None = None, d
         "evidence": evidence,
         "quick": quick,
     }
-    pd.DataFrame(rows).to_csv(out_dir / "tune.csv", index=False)
-    (out_dir / "best.json").write_text(json.dumps(best, indent=2) + "\n")
-    _print_tune_summary(scores, splits_of, points_done, times, sdpa_steady, pcost, sdpa_prefill, best)
-    return best
 
 
 def _print_tune_summary(scores, splits_of, points, times, sdpa_steady, pcost, sdpa_prefill, best) -> None:
