@@ -11,60 +11,47 @@ import bisect
 import math
 from pathlib import Path
 
-from simkv.specs import KV_DTYPE_BYTES, profiles_dir
+from simkv.costmodel.fit_file import BlockSizeNotProfiled, find_profile, read_fit
 from simkv.costmodel.step_cost import TermModel
-from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, StepLayout, engine_host_seconds,
-                                          hats, transfer_seconds)
+from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, engine_host_seconds, hats,
+                                          transfer_seconds)
 from simkv.errors import InputError, read_json_object
-from simkv.profile.format import FIT_FORMAT
+from simkv.specs import KV_DTYPE_BYTES
 
-STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
-             "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s")
-SHAPE_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
-              "intermediate_size", "vocab_size")
-
-
-class BlockSizeNotProfiled(InputError):
-    """The block size lies outside the profile's block sizes (`cost_model: auto` may fall back
-    to the roofline model on this one)."""
-
-
-def find_profile(gpu_name: str, model_name: str) -> Path | None:
-    """`profiles/<gpu>/<model>/fit.json` if it exists, else None."""
-    path = profiles_dir() / str(gpu_name).lower() / str(model_name).lower() / "fit.json"
-    return path if path.is_file() else None
-
-
-def _need(obj, key: str, path: Path, where: str = ""):
-    if not isinstance(obj, dict) or key not in obj:
-        raise InputError(f"{path}: missing key '{where}{key}' (re-run `simkv fit` on the profile)")
-    return obj[key]
-
-
-def _numbers(value, key: str, path: Path) -> list:
-    values = value if isinstance(value, list) else [value]
-    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float))
-                         or not math.isfinite(v) for v in values):
-        raise InputError(f"{path}: key '{key}' must be a number or a list of numbers, "
-                         f"got {value!r}")
-    return [float(v) for v in values]
-
-
-def _blend(lo: dict, hi: dict, f: float) -> dict:
-    """Coefficients (1 - f) * lo + f * hi, key by key (lists element-wise)."""
-    out = {}
-    for key, a in lo.items():
-        b = hi[key]
-        out[key] = [(1 - f) * x + f * y for x, y in zip(a, b)] if isinstance(a, list) \
-            else (1 - f) * a + f * b
-    return out
-
+__all__ = ["BlockSizeNotProfiled", "ProfiledCostModel", "find_profile"]
 
 FORWARD_TERMS = ("linear", "decode_attention", "shared_read_saving", "decode_tail",
                  "prefill_attention", "prefill_context", "prefill_tail", "per_sequence",
                  "mixed_graph_input", "prefill_rows", "eager_launch", "host_floor")
 AROUND_TERMS = ("engine_host", "serving_prep", "block_copies", "swap_out", "swap_in")
 _NO_FORWARD = (0.0,) * len(FORWARD_TERMS)
+
+
+def _as_laid_out(plan) -> tuple:
+    """A step with prefill chunks as the executor lays it out: (prefill tokens, prefill chunks,
+    decode context, prefill pairs, prefill context, longest decode context, the decode rows'
+    contexts in batch order, the (start, tokens) of the chunks of two or more tokens). A
+    one-token chunk is a decode row (a full prefix hit computes the prompt's last token again)."""
+    prefill_tokens, prefill_seqs = plan.num_prefill_tokens, plan.num_prefill_seqs
+    decode_context = plan.decode_context_tokens
+    pairs, prefill_context = plan.prefill_attention_pairs, plan.prefill_context_tokens
+    longest = plan.decode_max_context
+    contexts, chunks, ones = [], [], []
+    for s in plan.scheduled:
+        if s.num_tokens > 1:
+            chunks.append((s.start, s.num_tokens))
+        else:
+            contexts.append(s.start + 1)
+            if not s.is_decode:
+                ones.append(s.start + 1)
+    if ones:
+        k, context = len(ones), sum(ones)
+        prefill_tokens, prefill_seqs = prefill_tokens - k, prefill_seqs - k
+        decode_context += context
+        pairs, prefill_context = pairs - context, prefill_context - context
+        longest = max(longest, max(ones))
+    return (prefill_tokens, prefill_seqs, decode_context, pairs, prefill_context, longest,
+            contexts, chunks)
 
 
 class ProfiledCostModel(TermModel):
@@ -88,13 +75,23 @@ class ProfiledCostModel(TermModel):
         self.block_size = int(block_size)
         self.kv_dtype = kv_dtype
         self.notes: list[str] = []
-        self._check(fit, model)
+        read = read_fit(fit, self.path, model)
+        self.block_sizes, self.token_knots = read.block_sizes, read.token_knots
+        self.graph_batch_sizes, self.layout, self.step = (read.graph_batch_sizes, read.layout,
+                                                          read.step)
+        self.swap, self.copy = read.swap, read.copy
+        self.engine_host, self.serving_host = read.engine_host, read.serving_host
         gpu_name = fit["gpu"]
         self.name = f"profile:{gpu_name}/{fit['model']}"
         if gpu is not None and gpu.name != gpu_name:
             raise InputError(f"{self.path}: profile is for gpu {gpu_name}, scenario gpu is "
                              f"{gpu.name} (use cost_model: roofline for other GPUs)")
-        self.coefs = self._coefs_for(self.block_size)
+        self.coefs, interpolated = read.coefs_for(self.block_size)
+        if interpolated:
+            self.interpolated_from = interpolated
+            self.notes.append(f"block size {self.block_size} not profiled: coefficients "
+                              f"interpolated in log2(block size) between {interpolated[0]} "
+                              f"and {interpolated[1]}")
         # The profile measured a bf16 KV cache; with fp8 the KV-read terms move half the bytes.
         kv_bytes = KV_DTYPE_BYTES.get(kv_dtype, 2)
         measured = KV_DTYPE_BYTES.get(fit.get("kv_dtype", "bf16"), 2)
@@ -163,120 +160,6 @@ class ProfiledCostModel(TermModel):
         fit = read_json_object(path, "a fit file: run `simkv fit` on a profile directory")
         return cls(fit, path, block_size, kv_dtype, model, gpu, scheduler)
 
-    def _check(self, fit: dict, model) -> None:
-        path = self.path
-        if not isinstance(fit, dict):
-            raise InputError(f"{path}: expected a JSON object written by `simkv fit`")
-        fmt = _need(fit, "format", path)
-        if fmt != FIT_FORMAT:
-            raise InputError(f"{path}: key 'format' is {fmt!r}, expected {FIT_FORMAT!r}")
-        for key in ("gpu", "model"):
-            _need(fit, key, path)
-        sizes = _need(fit, "block_sizes", path)
-        if not isinstance(sizes, list) or not sizes or any(
-                isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
-            raise InputError(f"{path}: key 'block_sizes' must be a list of positive integers")
-        self.block_sizes = sorted(sizes)
-        self.token_knots = _numbers(_need(fit, "token_knots", path), "token_knots", path)
-        self.graph_batch_sizes = sorted(int(b) for b in _numbers(
-            fit.get("graph_batch_sizes") or [0], "graph_batch_sizes", path) if b > 0)
-        layout = fit.get("layout") or {}
-        if not isinstance(layout, dict):
-            raise InputError(f"{path}: key 'layout' must be an object")
-        fields = {}
-        for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs",
-                    "num_heads", "prefill_tile"):
-            if key in layout:
-                fields[key] = int(_numbers(layout[key], f"layout.{key}", path)[0])
-        for key in ("decode_slots_per_sm", "prefill_slots_per_sm"):
-            if key in layout:
-                slots = _numbers(layout[key], f"layout.{key}", path)[0]
-                if slots < 0:
-                    raise InputError(f"{path}: key 'layout.{key}' must be >= 0, got {slots:g}")
-                fields[key] = slots
-        if layout.get("decode_tail_in_order"):
-            fields["decode_tail_in_order"] = True
-        if layout.get("mixed_token_sizes"):
-            fields["mixed_token_sizes"] = tuple(sorted(int(t) for t in _numbers(
-                layout["mixed_token_sizes"], "layout.mixed_token_sizes", path)))
-        self.layout = StepLayout(tuple(self.token_knots), tuple(self.graph_batch_sizes),
-                                 **fields)
-        step = _need(fit, "step", path)
-        self.step = {}
-        for bs in self.block_sizes:
-            entry = _need(step, str(bs), path, "step.")
-            coefs = {}
-            for key in STEP_KEYS:
-                value = _numbers(_need(entry, key, path, f"step.{bs}."), f"step.{bs}.{key}", path)
-                coefs[key] = value if key in ("t_linear_s", "a_decode_s_per_token") else value[0]
-            for key in ("host_floor_s", "host_floor_s_per_seq", "c_mixed_seq_s", "c_mixed_s",
-                        "c_prefill_row_s",    # absent: no such term
-                        "a_decode_longest_s_per_token", "a_prefill_tail_s_per_token"):
-                coefs[key] = _numbers(entry.get(key, 0.0), f"step.{bs}.{key}", path)[0]
-            if len(coefs["t_linear_s"]) != len(self.token_knots):
-                raise InputError(f"{path}: key 'step.{bs}.t_linear_s' has "
-                                 f"{len(coefs['t_linear_s'])} values for "
-                                 f"{len(self.token_knots)} token_knots")
-            if len(coefs["a_decode_s_per_token"]) not in (1, len(LOG_BATCH_KNOTS)):
-                raise InputError(f"{path}: key 'step.{bs}.a_decode_s_per_token' must have 1 or "
-                                 f"{len(LOG_BATCH_KNOTS)} values")
-            self.step[bs] = coefs
-        self.swap = {}
-        for direction in ("out", "in"):
-            entry = (fit.get("swap") or {}).get(direction)
-            if entry is not None:
-                self.swap[direction] = {k: _numbers(_need(entry, k, path, f"swap.{direction}."),
-                                                    f"swap.{direction}.{k}", path)[0]
-                                        for k in ("c0_s", "c_block_s", "c_byte_s")}
-        copy = fit.get("copy")
-        self.copy = None if copy is None else {
-            k: _numbers(_need(copy, k, path, "copy."), f"copy.{k}", path)[0]
-            for k in ("c0_s", "c_block_s", "c_byte_s")}
-        engine = fit.get("engine_host")
-        self.engine_host = None if engine is None else {
-            k: _numbers(_need(engine, k, path, "engine_host."), f"engine_host.{k}", path)[0]
-            for k in ("c0_s", "c_seq_s", "c_prefill_token_s")}
-        # the host as the profile's serving pass measured it: outside the executor (instead of
-        # the offline pass's engine_host) and the input preparation inside it, against the
-        # preparation inside the profiled times (grid_prep)
-        serving = fit.get("serving_host")
-        self.serving_host = None
-        if serving is not None:
-            if not isinstance(serving, dict):
-                raise InputError(f"{path}: serving_host must be an object (re-run simkv fit)")
-            self.serving_host = {
-                part: {k: _numbers(_need(_need(serving, part, path, "serving_host."), k, path,
-                                         f"serving_host.{part}."),
-                                   f"serving_host.{part}.{k}", path)[0]
-                       for k in ("c0_s", "c_seq_s", "c_prefill_token_s")}
-                for part in ("outside", "prep", "grid_prep") if part in serving}
-            for part in ("outside", "prep"):
-                if part not in self.serving_host:
-                    raise InputError(f"{path}: serving_host needs '{part}' (re-run simkv fit)")
-        shape = fit.get("model_shape")
-        if model is not None and isinstance(shape, dict):
-            diff = [k for k in SHAPE_KEYS if k in shape and getattr(model, k) != shape[k]]
-            if diff:
-                raise InputError(f"{path}: profiled model {fit['model']} differs from "
-                                 f"{model.name} in {', '.join(diff)} (profile this model, or use "
-                                 "cost_model: roofline)")
-
-    def _coefs_for(self, block_size: int) -> dict:
-        sizes = self.block_sizes
-        if block_size in self.step:
-            return dict(self.step[block_size])
-        if not sizes[0] < block_size < sizes[-1]:
-            raise BlockSizeNotProfiled(
-                f"{self.path}: block size {block_size} is outside the profiled block sizes "
-                f"{', '.join(map(str, sizes))} (profile it, or pick one in that range)")
-        hi = next(b for b in sizes if b > block_size)
-        lo = max(b for b in sizes if b < block_size)
-        f = (math.log2(block_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        self.notes.append(f"block size {block_size} not profiled: coefficients interpolated in "
-                          f"log2(block size) between {lo} and {hi}")
-        self.interpolated_from = (lo, hi)
-        return _blend(self.step[lo], self.step[hi], f)
-
     def _prepare(self) -> None:
         c = self.coefs
         self._t_lin = c["t_linear_s"]
@@ -332,27 +215,13 @@ class ProfiledCostModel(TermModel):
         tokens = plan.num_prefill_tokens + plan.num_decode_tokens
         if tokens == 0:
             return _NO_FORWARD
-        prefill_tokens, prefill_seqs = plan.num_prefill_tokens, plan.num_prefill_seqs
-        decode_context = plan.decode_context_tokens
-        pairs, prefill_context = plan.prefill_attention_pairs, plan.prefill_context_tokens
-        longest = plan.decode_max_context
-        contexts = None       # the decode rows' contexts in batch order (the decode tail's)
-        chunks = None         # the prefill chunks of two or more tokens (the prefill tail's)
-        if prefill_tokens:    # one pass over a step with chunks
-            contexts, chunks, ones = [], [], []
-            for s in plan.scheduled:
-                if s.num_tokens > 1:
-                    chunks.append((s.start, s.num_tokens))
-                else:
-                    contexts.append(s.start + 1)
-                    if not s.is_decode:
-                        ones.append(s.start + 1)
-            if ones:
-                k, context = len(ones), sum(ones)
-                prefill_tokens, prefill_seqs = prefill_tokens - k, prefill_seqs - k
-                decode_context += context
-                pairs, prefill_context = pairs - context, prefill_context - context
-                longest = max(longest, max(ones))
+        if plan.num_prefill_tokens:
+            (prefill_tokens, prefill_seqs, decode_context, pairs, prefill_context, longest,
+             contexts, chunks) = _as_laid_out(plan)
+        else:
+            prefill_tokens = prefill_seqs = pairs = prefill_context = 0
+            decode_context, longest = plan.decode_context_tokens, plan.decode_max_context
+            contexts = chunks = None   # the decode tail's contexts; the prefill tail's chunks
         num_seqs = len(plan.scheduled)
         decodes = num_seqs - prefill_seqs
         layout = self.layout
