@@ -92,3 +92,51 @@ def test_simkv_run_step_terms_writes_a_column_per_term(tmp_path):
     assert "term_linear" in terms and "term_clock" in terms
     # steps.csv keeps 10 significant digits
     assert terms.sum(axis=1).to_numpy() == pytest.approx(steps["duration_s"].to_numpy(), abs=1e-9)
+
+
+def scenario_with(**cost_model):
+    raw = {"name": "effects", "model": "llama-3.1-8b", "cost_model": cost_model,
+           "workload": {"synthetic": {"num_requests": 60, "arrival": {"process": "poisson",
+                                                                      "rate": 8},
+                                      "prompt_tokens": {"dist": "fixed", "value": 600},
+                                      "output_tokens": {"dist": "fixed", "value": 40},
+                                      "n": 2}}}
+    return simkv.load_scenario(raw)
+
+
+def test_with_no_effects_a_step_is_the_plain_fitted_forward_time():
+    res = simkv.simulate(scenario_with(effects=[]), step_terms=True)
+    terms = res.steps.filter(like="term_")
+    assert "term_clock" not in terms                      # no clock state
+    for name in ("engine_host", "serving_prep", "shared_read_saving"):
+        assert (terms[f"term_{name}"] == 0).all(), name
+    assert res.summary["cost_model"] == "profile:h200/llama-3.1-8b (effects: none)"
+
+
+def test_each_effect_adds_its_own_terms_and_nothing_else():
+    host = simkv.simulate(scenario_with(effects=["engine_host"]), step_terms=True).steps
+    shared = simkv.simulate(scenario_with(effects=["shared_reads"]), step_terms=True).steps
+    assert (host["term_engine_host"] > 0).all() and (host["term_shared_read_saving"] == 0).all()
+    assert (shared["term_engine_host"] == 0).all()
+    assert (shared["term_shared_read_saving"] < 0).any()  # the n = 2 samples share a prompt
+
+
+def test_the_default_effects_are_all_of_them_and_gpu_clock_fixed_drops_the_clock():
+    assert scenario_with().effects == ("clock", "shared_reads", "engine_host")
+    assert simkv.load_scenario("scenarios/quickstart.yaml",
+                               overrides={"gpu_clock": "fixed"}).effects \
+        == ("shared_reads", "engine_host")
+    default = simkv.load_scenario("scenarios/quickstart.yaml")
+    named = simkv.load_scenario("scenarios/quickstart.yaml", overrides={
+        "cost_model.effects": "clock,shared_reads,engine_host"})
+    assert load_cost_model(named).name == load_cost_model(default).name
+
+
+@pytest.mark.parametrize("cost_model, message", [
+    ({"effects": ["clock", "turbo"]}, "cost_model.effects: .*of clock, shared_reads, engine_host"),
+    ({"effects": "clock"}, "cost_model.effects: expected a list"),
+    ({"source": "auto", "colour": 1}, "unknown key cost_model.colour"),
+])
+def test_bad_effects_are_one_line_errors_naming_the_key(cost_model, message):
+    with pytest.raises(InputError, match=message):
+        scenario_with(**cost_model)

@@ -28,6 +28,13 @@ TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
     "step_time_scale": (float, False),
     "seed": (int, False),
 }
+# `cost_model:` is a string (its source) or a mapping of these
+COST_MODEL_TYPES: dict[str, tuple[type, bool]] = {
+    "cost_model.source": (str, False),
+    "cost_model.effects": (list, False),
+    "cost_model.step_time_scale": (float, False),
+}
+EFFECTS = ("clock", "shared_reads", "engine_host")   # the cost model's layers, in order
 FREE_FORM = "workload.synthetic"    # its contents belong to the workload generator
 SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2e|queue)(_p\d{1,2}|_mean)?_s$")
 SLO_EXAMPLES = "ttft_s, tpot_s, itl_s, e2e_s, queue_s, with _pNN or _mean before _s (ttft_p90_s)"
@@ -50,7 +57,7 @@ def field_types(cls: type) -> dict[str, tuple[type, bool]]:
 
 
 # Every settable dotted key and its (type, optional); slo.* and workload.synthetic.* are open.
-KEY_TYPES: dict[str, tuple[type, bool]] = dict(TOP_LEVEL_TYPES)
+KEY_TYPES: dict[str, tuple[type, bool]] = {**TOP_LEVEL_TYPES, **COST_MODEL_TYPES}
 for _section, _cls in SECTIONS.items():
     KEY_TYPES.update({f"{_section}.{k}": t for k, t in field_types(_cls).items()})
 VALID_KEYS = sorted([*KEY_TYPES, *SECTIONS, "slo"])
@@ -80,7 +87,7 @@ def check_key(key: str, where: str) -> None:
 
 def type_name(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            Path: "a path", dict: "a mapping"}.get(kind, kind.__name__)
+            Path: "a path", dict: "a mapping", list: "a list"}.get(kind, kind.__name__)
 
 
 def convert(text: str, key: str, where: str) -> Any:
@@ -113,6 +120,15 @@ def convert(text: str, key: str, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError
             return value
+        if kind is list:      # [a, b], [] or a,b
+            value = yaml.safe_load(text)
+            if isinstance(value, str):
+                value = [part.strip() for part in value.split(",") if part.strip()]
+            if value is None:
+                value = []
+            if not isinstance(value, list):
+                raise ValueError
+            return value
     except (ValueError, yaml.YAMLError):
         null = " or null" if optional else ""
         raise InputError(
@@ -141,6 +157,9 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     type-checked later with the rest of the scenario.
     """
     merged = copy.deepcopy(raw)
+    if any(key.startswith("cost_model.") for key in overrides) \
+            and not isinstance(merged.get("cost_model"), dict):
+        merged["cost_model"] = {"source": merged.get("cost_model") or "auto"}
     for key, value in overrides.items():
         check_key(key, "--set")
         if isinstance(value, str):

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from simkv.config.keys import (FREE_FORM, KEY_TYPES, SECTIONS, SLO_EXAMPLES, SLO_KEY,
+from simkv.config.keys import (EFFECTS, FREE_FORM, KEY_TYPES, SECTIONS, SLO_EXAMPLES, SLO_KEY,
                                TOP_LEVEL_TYPES, VALID_KEYS, apply_overrides, parse_set)
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
 from simkv.config.validate import (CHOICES, COST_MODEL_KEYWORDS, GPU_CLOCK_CHOICES, Validator,
@@ -37,6 +37,7 @@ class Scenario:
     cost_model: str = "auto"                    # auto | profile | roofline | PATH
     gpu_clock: str = "auto"                     # auto: the profile's clock model, if any | fixed
     step_time_scale: float = 1.0                # multiplies every predicted step time
+    effects: tuple = EFFECTS                    # the cost model's layers on the fitted forward
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -89,17 +90,35 @@ def _model_and_gpu(v: Validator, top: dict[str, Any], base_dir: Path) -> tuple:
     return model, gpu
 
 
-def _runtime_settings(v: Validator, top: dict[str, Any], base_dir: Path) -> tuple:
-    """(gpu_clock, step_time_scale, cost_model) checked; a cost-model path resolved."""
+def _runtime_settings(v: Validator, top: dict[str, Any], raw: dict[str, Any],
+                      base_dir: Path) -> tuple:
+    """(gpu_clock, step_time_scale, cost_model, effects) checked; a cost-model path resolved.
+    `cost_model:` is its source, or {source, effects, step_time_scale}; `gpu_clock: fixed`
+    takes the clock out of the effects."""
     gpu_clock = top.get("gpu_clock", "auto")
     if gpu_clock not in GPU_CLOCK_CHOICES:
         v.fail("gpu_clock", f"{gpu_clock!r} is not one of {', '.join(GPU_CLOCK_CHOICES)}")
     step_time_scale = top.get("step_time_scale", 1.0)
+    cost_model, effects = top.get("cost_model", "auto"), list(EFFECTS)
+    settings = raw.get("cost_model")
+    if isinstance(settings, dict):
+        cost_model = v.typed("cost_model.source", settings.get("source", "auto"))
+        if settings.get("effects") is not None:
+            effects = v.typed("cost_model.effects", settings["effects"])
+        if settings.get("step_time_scale") is not None:
+            if "step_time_scale" in top:
+                v.fail("cost_model.step_time_scale", "set it here or at the top level, not both")
+            step_time_scale = v.typed("cost_model.step_time_scale", settings["step_time_scale"])
     v.positive("step_time_scale", step_time_scale)
-    cost_model = top.get("cost_model", "auto")
+    unknown = [e for e in effects if e not in EFFECTS]
+    if unknown or len(set(effects)) != len(effects):
+        v.fail("cost_model.effects", f"{effects!r}: each at most once, of {', '.join(EFFECTS)} "
+               "([] for the plain fitted forward time)")
+    if gpu_clock == "fixed":
+        effects = [e for e in effects if e != "clock"]
     if cost_model not in COST_MODEL_KEYWORDS:
         cost_model = resolve_path(cost_model, base_dir)
-    return gpu_clock, step_time_scale, cost_model
+    return gpu_clock, step_time_scale, cost_model, tuple(e for e in EFFECTS if e in effects)
 
 
 def load_scenario(
@@ -121,7 +140,8 @@ def load_scenario(
     v = Validator(source, set(overrides))
     v.unknown_keys(raw)
 
-    top = {k: v.typed(k, raw[k]) for k in TOP_LEVEL_TYPES if k in raw and raw[k] is not None}
+    top = {k: v.typed(k, raw[k]) for k in TOP_LEVEL_TYPES if k in raw and raw[k] is not None
+           and not (k == "cost_model" and isinstance(raw[k], dict))}
     if "model" not in top:
         v.fail("model", "missing (a bundled name like llama-3.1-8b, or a path to a config.json)")
     cache = v.section("cache", raw)
@@ -131,7 +151,7 @@ def load_scenario(
     check_ranges(v, cache, scheduler, workload, top.get("seed", 0))
     check_workload(v, workload, base_dir)
     model, gpu = _model_and_gpu(v, top, base_dir)
-    gpu_clock, step_time_scale, cost_model = _runtime_settings(v, top, base_dir)
+    gpu_clock, step_time_scale, cost_model, effects = _runtime_settings(v, top, raw, base_dir)
     check_against_model(v, scheduler, model)
     problem = fit_error(size_pool(model, gpu, cache, scheduler), scheduler.max_model_len)
     if problem:
@@ -144,6 +164,7 @@ def load_scenario(
         cost_model=cost_model,
         gpu_clock=gpu_clock,
         step_time_scale=step_time_scale,
+        effects=effects,
         seed=top.get("seed", 0),
         cache=cache,
         scheduler=scheduler,
@@ -176,6 +197,7 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "cost_model": scn.cost_model,
         "gpu_clock": scn.gpu_clock,
         "step_time_scale": scn.step_time_scale,
+        "effects": list(scn.effects),
         "seed": scn.seed,
         "cache": asdict(scn.cache),
         "scheduler": asdict(scn.scheduler),

@@ -41,6 +41,9 @@ class Validator:
                     self.fail(key, f"expected a mapping, got {value!r}")
                 for sub in value:
                     check_key(f"{key}.{sub}", self.source)
+            elif key == "cost_model" and isinstance(value, dict):
+                for sub in value:
+                    check_key(f"cost_model.{sub}", self.source)
             elif key == "slo":
                 if value is None:
                     continue
@@ -65,6 +68,7 @@ class Validator:
             str: isinstance(value, str),
             Path: isinstance(value, str),
             dict: isinstance(value, dict),
+            list: isinstance(value, list),
         }[kind]
         if not ok:
             self.fail(key, f"expected {type_name(kind)}, got {value!r}")

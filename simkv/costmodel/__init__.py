@@ -10,17 +10,36 @@ from pathlib import Path
 from simkv.errors import InputError
 
 
+ALL_EFFECTS = ("clock", "shared_reads", "engine_host")
+
+
 def load_cost_model(scenario):
-    """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json; with
-    `step_time_scale` other than 1, its step times that many times (beneath the clock state
-    when there is one: `ClockedCostModel(scale=...)`, else `simkv.costmodel.scaled`)."""
+    """Pick the scenario's cost model: auto | roofline | profile | PATH to a fit.json, with the
+    scenario's `effects` layered on a profile's fitted forward time (clock: the GPU's clock
+    state, shared_reads: repeated reads of shared blocks from L2, engine_host: the engine's
+    host time around each step); with `step_time_scale` other than 1, its step times that many
+    times (beneath the clock state when there is one: `ClockedCostModel(scale=...)`, else
+    `simkv.costmodel.scaled`). A model whose effects are not all of them says which it has
+    in its name (`gpu_clock: fixed` needs no saying)."""
     from simkv.costmodel.clock import ClockedCostModel
     model = _load(scenario)
     scale = getattr(scenario, "step_time_scale", 1.0)
     if scale != 1.0 and not isinstance(model, ClockedCostModel):   # that one takes the scale
         from simkv.costmodel.scaled import ScaledCostModel
         model = ScaledCostModel(model, scale)
+    effects = _effects(scenario)
+    if set(effects) != set(_effects(scenario, ALL_EFFECTS)) \
+            and not getattr(model, "is_estimate", False):
+        model.name = f"{model.name} (effects: {', '.join(effects) or 'none'})"
     return model
+
+
+def _effects(scenario, effects=None) -> tuple:
+    """The scenario's effects (or `effects`), less the clock under `gpu_clock: fixed`."""
+    effects = tuple(getattr(scenario, "effects", ALL_EFFECTS) if effects is None else effects)
+    if getattr(scenario, "gpu_clock", "auto") == "fixed":
+        effects = tuple(e for e in effects if e != "clock")
+    return effects
 
 
 def _load(scenario):
@@ -65,11 +84,14 @@ def _serving_effects(profiled, scenario):
     """What the profile's measurements beside its fit add: repeated reads of shared blocks
     (shared_reads.json) and the GPU's clock state (clock.json; not with `gpu_clock: fixed`)."""
     from simkv.costmodel.clock import ClockedCostModel, load_clock
-    from simkv.profile.format import CLOCK_FILE
     from simkv.costmodel.shared_reads import load_shared_reads
+    from simkv.profile.format import CLOCK_FILE
+    effects = _effects(scenario)
     profile_dir = profiled.path.parent
-    profiled.use_shared_reads(load_shared_reads(profile_dir))
-    if scenario.gpu_clock == "fixed":
+    if "shared_reads" in effects:
+        profiled.use_shared_reads(load_shared_reads(profile_dir))
+    profiled.engine_host_on = "engine_host" in effects
+    if "clock" not in effects:
         return profiled
     clock = load_clock(profile_dir)
     if clock is None:
