@@ -166,11 +166,9 @@ def profile_state_check(probe_dir: Path, table: pd.DataFrame, clock: ClockModel)
     return out
 
 
-def fit_clock(probe_dirs, model) -> dict:
-    """The clock model fitted to one or more probes (each its own lease of the GPU: its own
-    full-clock times), with its errors (see the module doc)."""
-    if isinstance(probe_dirs, (str, Path)):
-        probe_dirs = [probe_dirs]
+def _read_probes(probe_dirs, model) -> list:
+    """(steps, composition table, highest SM clock seen) per probe, its steps restricted to
+    the compositions its meta.json lists."""
     probes = []
     for probe_dir in probe_dirs:
         steps, smi, meta = read_probe(probe_dir)
@@ -178,24 +176,14 @@ def fit_clock(probe_dirs, model) -> dict:
         table = composition_table(steps, smi, meta, model)
         table["probe"] = str(probe_dir)
         probes.append((steps, table, float(smi["sm_mhz"].max())))
-    tables = pd.concat([t for _, t, _ in probes])
-    max_mhz = max(m for _, _, m in probes)
-    settling = fit_settling(tables, max_mhz)
-    if settling is None:
-        raise InputError(f"{', '.join(map(str, probe_dirs))}: no composition above the lowest "
-                         "FLOP rate: the settling clock cannot be fitted")
-    knee, slope, floor, settle_rms = settling
-    steps = pd.concat([s for s, _, _ in probes], ignore_index=True)
-    measured = steps["time_s"].to_numpy()
-    train = steps["phase"].isin(FITTED_PHASES).to_numpy()
-    held = (steps["phase"] == HELD_OUT_PHASE).to_numpy()
-    base = np.concatenate([s["composition"].map(t["first_s"]).to_numpy() for s, t, _ in probes])
+    return probes
 
-    def predict(clock):
-        return np.concatenate([replay(s, t, clock) for s, t, _ in probes])
 
-    # For each controller window, coordinate descent over the other grids: each parameter in
-    # turn takes its best grid value given the others, until a whole round changes nothing.
+def _search(probes: list, max_mhz: float, settling: tuple, measured, train) -> tuple:
+    """(train RMS log error, clock, predicted step times) of the best controller parameters:
+    for each controller window, coordinate descent over the other grids, each parameter in turn
+    taking its best grid value given the others, until a whole round changes nothing."""
+    knee, slope, floor, _ = settling
     grids = {"sensitivity": SENSITIVITIES, "tau_down_s": TAUS_S, "tau_up_s": TAUS_S}
     cache = {}
 
@@ -204,7 +192,7 @@ def fit_clock(probe_dirs, model) -> dict:
         if key not in cache:
             clock = ClockModel(max_mhz, floor, knee, slope,
                                **{k: float(v) for k, v in values.items()})
-            pred = predict(clock)
+            pred = np.concatenate([replay(s, t, clock) for s, t, _ in probes])
             cache[key] = (_rms_log(measured[train], pred[train]), clock, pred)
         return cache[key]
 
@@ -219,21 +207,56 @@ def fit_clock(probe_dirs, model) -> dict:
                 break
         return score(params)
 
-    rms, clock, pred = min((descend(w) for w in WINDOWS_S), key=lambda r: r[0])
-    check = [dict(row, probe=str(d)) for (_, t, _), d in zip(probes, probe_dirs)
-             for row in profile_state_check(d, t, clock)]
+    return min((descend(w) for w in WINDOWS_S), key=lambda r: r[0])
+
+
+def _by_phase(steps: pd.DataFrame, measured, pred, base) -> dict:
+    """Per phase: its steps and RMS log error, the model's and the clock-blind baseline's."""
     by_phase = {}
     for phase in sorted(set(steps["phase"])):
         k = (steps["phase"] == phase).to_numpy()
         by_phase[phase] = {"steps": int(k.sum()),
                            "rms_log_error": round(_rms_log(measured[k], pred[k]), 4),
                            "rms_log_error_clock_blind": round(_rms_log(measured[k], base[k]), 4)}
+    return by_phase
+
+
+def _profile_state(check: list) -> dict:
+    """The profile-phase compositions and the mean error of reading them with and without the
+    clock model."""
+    return {"compositions": check,
+            "mean_abs_error": round(float(np.mean([abs(c["model"] / c["measured"] - 1)
+                                                   for c in check])), 4) if check else None,
+            "mean_abs_error_as_measured": round(float(np.mean(
+                [abs(1 / c["measured"] - 1) for c in check])), 4) if check else None}
+
+
+def fit_clock(probe_dirs, model) -> dict:
+    """The clock model fitted to one or more probes (each its own lease of the GPU: its own
+    full-clock times), with its errors (see the module doc)."""
+    if isinstance(probe_dirs, (str, Path)):
+        probe_dirs = [probe_dirs]
+    probes = _read_probes(probe_dirs, model)
+    tables = pd.concat([t for _, t, _ in probes])
+    max_mhz = max(m for _, _, m in probes)
+    settling = fit_settling(tables, max_mhz)
+    if settling is None:
+        raise InputError(f"{', '.join(map(str, probe_dirs))}: no composition above the lowest "
+                         "FLOP rate: the settling clock cannot be fitted")
+    steps = pd.concat([s for s, _, _ in probes], ignore_index=True)
+    measured = steps["time_s"].to_numpy()
+    train = steps["phase"].isin(FITTED_PHASES).to_numpy()
+    held = (steps["phase"] == HELD_OUT_PHASE).to_numpy()
+    base = np.concatenate([s["composition"].map(t["first_s"]).to_numpy() for s, t, _ in probes])
+    rms, clock, pred = _search(probes, max_mhz, settling, measured, train)
+    check = [dict(row, probe=str(d)) for (_, t, _), d in zip(probes, probe_dirs)
+             for row in profile_state_check(d, t, clock)]
     return {
         "format": CLOCK_FORMAT,
         "params": clock.to_dict(),
         "fit": {
             "probes": [str(p) for p in probe_dirs],
-            "settling_rms_mhz": round(settle_rms, 1),
+            "settling_rms_mhz": round(settling[3], 1),
             "train_phases": list(FITTED_PHASES),
             "train_rms_log_error": round(rms, 4),
             "train_rms_log_error_clock_blind": round(_rms_log(measured[train], base[train]), 4),
@@ -244,13 +267,8 @@ def fit_clock(probe_dirs, model) -> dict:
                 pred[held] / measured[held] - 1))), 4),
             "held_out_median_abs_error_clock_blind": round(float(np.median(np.abs(
                 base[held] / measured[held] - 1))), 4),
-            "by_phase": by_phase,
-            "profile_state": {
-                "compositions": check,
-                "mean_abs_error": round(float(np.mean([abs(c["model"] / c["measured"] - 1)
-                                                       for c in check])), 4) if check else None,
-                "mean_abs_error_as_measured": round(float(np.mean(
-                    [abs(1 / c["measured"] - 1) for c in check])), 4) if check else None},
+            "by_phase": _by_phase(steps, measured, pred, base),
+            "profile_state": _profile_state(check),
         },
         "compositions": [{"probe": r.probe, "composition": n,
                           "first_ms": round(1e3 * r.first_s, 3),
