@@ -176,6 +176,51 @@ def read_profile_ledger(model: ModelSpec, gpu: GpuSpec) -> Optional[dict[str, An
     return ledger
 
 
+def _profile_terms(profile: dict, model: ModelSpec, scheduler: SchedulerConfig) -> tuple:
+    """(weights, activation, other, other_parts) bytes from a measured ledger, its graph pool
+    moved to the scheduler's graph sizes."""
+    weights = int(profile["weights_bytes"])
+    activation = int(
+        profile["activation_base_bytes"]
+        + profile["activation_bytes_per_batched_token"] * scheduler.max_num_batched_tokens
+    )
+    other = int(profile["other_bytes"])
+    # The measured breakdown of `other` when the profile gives one that adds up, else one part.
+    parts = profile.get("other_parts")
+    if isinstance(parts, dict) and parts and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in parts.values()) \
+            and sum(parts.values()) == other:
+        other_parts = {k: int(v) for k, v in parts.items()}
+        # The graph pool was measured with the profile's engine settings; an engine with
+        # other max_num_seqs / max_num_batched_tokens captures other graphs.
+        pool = other_parts.get("cuda_graph_pool_bytes")
+        if pool is not None:
+            measured_with = profile.get("measured_with") or {}
+            profiled = SimpleNamespace(    # the profile's engine settings
+                max_num_seqs=int(measured_with.get("max_num_seqs", 256)),
+                max_num_batched_tokens=int(measured_with.get(
+                    "max_num_batched_tokens", PROFILE_ENGINE_BATCHED_TOKENS)))
+            shift = (estimate_graph_pool_bytes(model, scheduler)
+                     - estimate_graph_pool_bytes(model, profiled))
+            other_parts["cuda_graph_pool_bytes"] = max(0, pool + shift)
+            other += other_parts["cuda_graph_pool_bytes"] - pool
+    else:
+        other_parts = {"other_bytes": other}
+    return weights, activation, other, other_parts
+
+
+def _estimated_terms(model: ModelSpec, scheduler: SchedulerConfig) -> tuple:
+    """(weights, activation, other, other_parts) bytes from the estimates above."""
+    weights = model.weight_bytes(WEIGHT_DTYPE_BYTES)
+    activation = estimate_activation_bytes(model, scheduler)
+    other_parts = {
+        "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+        "cuda_graph_pool_bytes": estimate_graph_pool_bytes(model, scheduler),
+        "allocator_slack_bytes": ALLOCATOR_SLACK_BYTES,
+    }
+    return weights, activation, sum(other_parts.values()), other_parts
+
+
 def size_pool(
     model: ModelSpec, gpu: GpuSpec, cache: CacheConfig, scheduler: SchedulerConfig
 ) -> Sizing:
@@ -191,44 +236,11 @@ def size_pool(
     profile = read_profile_ledger(model, gpu)
     if profile is not None:
         source = "profile"
-        weights = int(profile["weights_bytes"])
-        activation = int(
-            profile["activation_base_bytes"]
-            + profile["activation_bytes_per_batched_token"] * scheduler.max_num_batched_tokens
-        )
-        other = int(profile["other_bytes"])
-        # The measured breakdown of `other` when the profile gives one that adds up, else one part.
-        parts = profile.get("other_parts")
-        if isinstance(parts, dict) and parts and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in parts.values()) \
-                and sum(parts.values()) == other:
-            other_parts = {k: int(v) for k, v in parts.items()}
-            # The graph pool was measured with the profile's engine settings; an engine with
-            # other max_num_seqs / max_num_batched_tokens captures other graphs.
-            pool = other_parts.get("cuda_graph_pool_bytes")
-            if pool is not None:
-                measured_with = profile.get("measured_with") or {}
-                profiled = SimpleNamespace(    # the profile's engine settings
-                    max_num_seqs=int(measured_with.get("max_num_seqs", 256)),
-                    max_num_batched_tokens=int(measured_with.get(
-                        "max_num_batched_tokens", PROFILE_ENGINE_BATCHED_TOKENS)))
-                shift = (estimate_graph_pool_bytes(model, scheduler)
-                         - estimate_graph_pool_bytes(model, profiled))
-                other_parts["cuda_graph_pool_bytes"] = max(0, pool + shift)
-                other += other_parts["cuda_graph_pool_bytes"] - pool
-        else:
-            other_parts = {"other_bytes": other}
+        weights, activation, other, other_parts = _profile_terms(profile, model, scheduler)
         ledger_file = profile["path"]
     else:
         source = "estimate"
-        weights = model.weight_bytes(WEIGHT_DTYPE_BYTES)
-        activation = estimate_activation_bytes(model, scheduler)
-        other_parts = {
-            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
-            "cuda_graph_pool_bytes": estimate_graph_pool_bytes(model, scheduler),
-            "allocator_slack_bytes": ALLOCATOR_SLACK_BYTES,
-        }
-        other = sum(other_parts.values())
+        weights, activation, other, other_parts = _estimated_terms(model, scheduler)
         ledger_file = None
     if cache.preemption_mode == "swap":
         # The staging is freed before the forward runs, on the same stream, so the allocator
@@ -256,21 +268,11 @@ def size_pool(
         "kv_pool_remainder_bytes": kv_pool - kv_blocks,
     }
     return Sizing(
-        model=model.name,
-        gpu=gpu.name,
-        block_size=cache.block_size,
-        kv_dtype=cache.kv_dtype,
-        bytes_per_token=bytes_per_token,
-        bytes_per_block=bytes_per_block,
-        memory_budget_bytes=budget,
-        weights_bytes=weights,
-        activation_bytes=activation,
-        other_bytes=other,
-        kv_pool_bytes=kv_pool,
-        num_blocks=num_blocks,
-        max_cached_tokens=num_blocks * cache.block_size,
-        source=source,
-        ledger=ledger,
+        model=model.name, gpu=gpu.name, block_size=cache.block_size, kv_dtype=cache.kv_dtype,
+        bytes_per_token=bytes_per_token, bytes_per_block=bytes_per_block,
+        memory_budget_bytes=budget, weights_bytes=weights, activation_bytes=activation,
+        other_bytes=other, kv_pool_bytes=kv_pool, num_blocks=num_blocks,
+        max_cached_tokens=num_blocks * cache.block_size, source=source, ledger=ledger,
         num_host_blocks=int(cache.swap_space_gib * GIB) // bytes_per_block,
         ledger_file=ledger_file,
     )
