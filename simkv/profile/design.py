@@ -36,28 +36,22 @@ def _chunks(n: int, tokens: int, prefix: int) -> list:
     return [(prefix, tokens, False)] * n
 
 
-def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
-    """The grid, in a fixed order (the fit's hold-out rule counts positions in it)."""
-    points = []
+def _quick_grid(add) -> None:
+    """The quick grid: a few small compositions of each family."""
+    for b in (1, 4):
+        for ctx in (16, 48):
+            add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
+    add("decode/het/2x8+1x60", "decode", _decode(2, 8) + _decode(1, 60))
+    for t in (8, 32):
+        for p in (0, 24):
+            add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
+    add("prefill/2x16+p0", "prefill", _chunks(2, 16, 0))
+    for b in (2, 6):
+        add(f"mixed/d{b}c24/1x16+p8", "mixed", _decode(b, 24) + _chunks(1, 16, 8))
 
-    def add(pid, family, items):
-        cached = sum(s + n for s, n, _ in items)
-        if cached <= max_cached_tokens:
-            points.append(Point(pid, family, items))
 
-    if quick:
-        for b in (1, 4):
-            for ctx in (16, 48):
-                add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
-        add("decode/het/2x8+1x60", "decode", _decode(2, 8) + _decode(1, 60))
-        for t in (8, 32):
-            for p in (0, 24):
-                add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
-        add("prefill/2x16+p0", "prefill", _chunks(2, 16, 0))
-        for b in (2, 6):
-            add(f"mixed/d{b}c24/1x16+p8", "mixed", _decode(b, 24) + _chunks(1, 16, 8))
-        return points
-
+def _decode_grid(add) -> None:
+    """Decode batches: uniform contexts, long single sequences, heterogeneous batches."""
     for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
         for ctx in (128, 512, 2048, 8192):
             add(f"decode/b{b}/c{ctx}", "decode", _decode(b, ctx))
@@ -74,6 +68,10 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
         ctxs = np.geomspace(32, 16384, b).round().astype(int).tolist()
         add(f"decode/het/{b}xgeom32-16384", "decode", [(c - 1, 1, True) for c in ctxs])
 
+
+
+def _prefill_grid(add) -> None:
+    """Prefill chunks, alone and several per step, with and without a cached prefix."""
     for t in (16, 64, 256, 512, 1024, 2048, 4096, 8192):
         for p in (0, 4096):
             add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
@@ -83,6 +81,10 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
                     (4, 1024, 4096)):
         add(f"prefill/{n}x{t}+p{p}", "prefill", _chunks(n, t, p))
 
+
+
+def _mixed_grid(add) -> None:
+    """Decode batches with prefill chunks beside them, and the larger prefill chunks."""
     for b in (4, 16, 32, 64, 128):
         for i, t in enumerate((64, 512, 2048)):
             p = 0 if (i + b) % 2 == 0 else 2048
@@ -111,12 +113,17 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
     for t, p in ((8192, 16384), (8192, 24576), (4096, 16384)):
         add(f"prefill/1x{t}+p{p}", "prefill", _chunks(1, t, p))
     add("mixed/d8c16384/1x8192+p16384", "mixed", _decode(8, 16384) + _chunks(1, 8192, 16384))
+
+
+def _serving_like_grid(add) -> None:
+    """Decode batches with serving-like contexts, and eager mixed steps between 1,024 and
+    2,048 tokens."""
     # Serving-like decode batches: contexts drawn as Azure conv serving produces them (lognormal
     # around 900 tokens) with three long sequences first, spread through or last in the batch
     # (the decode kernel launches sequences in order, so a late long one is the kernel's tail),
     # and the same batch without them. Eager steps between 1,024 and 2,048 tokens, finer than
-    # T_lin's knots (benchmarks/step_probes.py measured +-8% structure there). Appended after the
-    # 148 compositions of the profiles of 2026-11-29, so their hold-out ranks are unchanged.
+    # T_lin's knots (research/step_probes.py measures structure there). They come last in the
+    # design, so the compositions before them keep their hold-out ranks.
     rng = np.random.default_rng(2026)
     longs = [4096, 5120, 6144]
     for b in (64, 150, 220):
@@ -132,6 +139,21 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
     for total in (1216, 1344, 1536, 1664, 1856, 1984):     # (not 32 decodes: held out by rule)
         add(f"mixed/d24c1024/1x{total - 24}+p0", "mixed",
             _decode(24, 1024) + _chunks(1, total - 24, 0))
+
+
+def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
+    """The grid, in a fixed order (the fit's hold-out rule counts positions in it)."""
+    points = []
+
+    def add(pid, family, items):
+        cached = sum(s + n for s, n, _ in items)
+        if cached <= max_cached_tokens:
+            points.append(Point(pid, family, items))
+
+    grids = (_quick_grid,) if quick else (_decode_grid, _prefill_grid, _mixed_grid,
+                                          _serving_like_grid)
+    for grid in grids:
+        grid(add)
     return points
 
 
