@@ -11,7 +11,7 @@ from simkv.errors import InputError
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """The scenario file at `path` as a dict (InputError when missing, not YAML or not a mapping)."""
+    """The scenario file at `path` as a dict (InputError: missing, not YAML, not a mapping)."""
     try:
         text = path.read_text()
     except FileNotFoundError:

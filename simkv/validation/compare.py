@@ -65,6 +65,78 @@ def _calibrated(scn, cost_model, at_zero, saturated: dict) -> tuple:
                 "measured saturated run (the same requests, offline, on the same GPU)"}
 
 
+def _measured_requests(measured_dir: Path, scenario):
+    """(meta.json, the scenario, the requests frame) of a measurement folder, the requests
+    checked to be those the scenario gives."""
+    from simkv.workload.frames import load_requests_frame
+    from simkv.workload.traces import load_trace
+    if not (measured_dir / "meta.json").is_file():
+        raise InputError(f"{measured_dir}: no meta.json (a folder written by the measuring half: "
+                         "simkv validate SCENARIO --device cuda)")
+    meta = json.loads((measured_dir / "meta.json").read_text())
+    scn = _scenario(scenario)
+    window = measured_dir / "trace.csv"
+    frame = (load_trace(window, format="csv") if window.is_file()
+             else load_requests_frame(scn))
+    if requests_fingerprint(frame) != meta["requests_sha256"]:
+        raise InputError(f"{measured_dir}: the scenario's requests ({len(frame)}) differ from "
+                         f"those measured ({meta['requests']}); check workload.trace, limit and "
+                         "time_scale")
+    return meta, scn, frame
+
+
+def _served_pool(scn, measured: dict):
+    """`scn` serving the pool the engine served: `num_blocks` checks the sizing on its own, and
+    a profile re-measured since the run must not change the pool compared."""
+    from simkv.config.scenario import with_overrides
+    from simkv.sizing import size_pool
+    # the sizing alone: a KV manager of an unlimited pool (a tiny model on an H200: 130 million
+    # blocks) would take gigabytes just to be thrown away
+    sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
+    served_blocks = int(measured.get("num_blocks") or 0)
+    if served_blocks and served_blocks != sizing.num_blocks \
+            and scn.cache.num_gpu_blocks_override is None:
+        scn = with_overrides(scn, {"cache.num_gpu_blocks_override": served_blocks})
+    return scn, sizing
+
+
+def _errors(sizing, engine_blocks, simulated: dict, measured: dict) -> dict:
+    """Relative error of each of ERROR_KEYS (num_blocks: the sizing against the engine's)."""
+    error = {}
+    for key in ERROR_KEYS:
+        if key == "num_blocks":
+            error[key] = relative_error(sizing.num_blocks, engine_blocks)
+        else:
+            error[key] = relative_error(lookup(simulated, key), lookup(measured, key))
+    return error
+
+
+def _saturated(measured: dict, simulated: dict) -> dict:
+    """The saturated runs side by side, with the relative errors of their throughput, duration,
+    TPOT and peak running count."""
+    return {"measured": measured, "simulated": simulated,
+            "error": {k: relative_error(lookup(simulated, k), lookup(measured, k))
+                      for k in ("throughput_requests_per_s", "throughput_output_tokens_per_s",
+                                "sim_duration_s", "tpot_s.mean", "running_peak")}}
+
+
+SIZING_NOTE = ("num_blocks error: simkv size against the blocks the engine's measured "
+               "peak memory leaves at the same budget (the allocated pool when the "
+               "run has no device ledger); the engine allocates what simkv size says")
+
+
+def _steps(scn, frame, at_zero, runs: dict, cost_model) -> dict:
+    """Per-step diagnostics of each run, and the profile's host terms beside them."""
+    steps = {run: step_diagnostics(scn, frame if run == "realtime" else at_zero, runs[run],
+                                   cost_model)
+             for run in RUNS}
+    # the engine's time outside the executor, as the profile's engine pass measured it
+    steps["profile_engine_host"] = getattr(cost_model, "engine_host", None)
+    # and as its serving pass measured it (what the model charges instead, where present)
+    steps["profile_serving_host"] = getattr(cost_model, "serving_host", None)
+    return steps
+
+
 def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
                        diagnostics: bool = True, calibrate: bool = False) -> dict:
     """Simulate the measured requests with the scenario's cost model and compare (CPU side).
@@ -80,40 +152,15 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     it: `<name>-ttft-cdf.png`, `<name>-tpot-cdf.png`, `<name>-e2e-scatter.png`. Returns the
     JSON's dict. Raises InputError when the requests differ from those measured.
     """
-    from simkv.specs import profiles_dir
-    from simkv.workload.traces import load_trace
-    from simkv.sim.engine import simulate
-    from simkv.sizing import size_pool
     from simkv.costmodel import load_cost_model
-    from simkv.workload.frames import load_requests_frame
+    from simkv.sim.engine import simulate
     measured_dir = Path(measured_dir)
-    if not (measured_dir / "meta.json").is_file():
-        raise InputError(f"{measured_dir}: no meta.json (a folder written by the measuring half: "
-                         "simkv validate SCENARIO --device cuda)")
-    meta = json.loads((measured_dir / "meta.json").read_text())
-    scn = _scenario(scenario)
-    window = measured_dir / "trace.csv"
-    frame = (load_trace(window, format="csv") if window.is_file()
-             else load_requests_frame(scn))
-    if requests_fingerprint(frame) != meta["requests_sha256"]:
-        raise InputError(f"{measured_dir}: the scenario's requests ({len(frame)}) differ from "
-                         f"those measured ({meta['requests']}); check workload.trace, limit and "
-                         "time_scale")
+    meta, scn, frame = _measured_requests(measured_dir, scenario)
     runs = {run: read_run(measured_dir / run) for run in RUNS}
     measured = runs["realtime"]["summary"]
-    # the sizing alone: a KV manager of an unlimited pool (a tiny model on an H200: 130 million
-    # blocks) would take gigabytes just to be thrown away
-    sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
-    # The simulator serves the pool the engine served: `num_blocks` (below) checks the sizing
-    # on its own, and a profile re-measured since the run must not change the pool compared.
-    served_blocks = int(measured.get("num_blocks") or 0)
-    if served_blocks and served_blocks != sizing.num_blocks \
-            and scn.cache.num_gpu_blocks_override is None:
-        from simkv.config.scenario import with_overrides
-        scn = with_overrides(scn, {"cache.num_gpu_blocks_override": served_blocks})
+    scn, sizing = _served_pool(scn, measured)
     cost_model = load_cost_model(scn)
-    at_zero = frame.copy()
-    at_zero["arrival_s"] = 0.0
+    at_zero = frame.assign(arrival_s=0.0)
     calibration = None
     if calibrate:
         scn, cost_model, calibration = _calibrated(scn, cost_model, at_zero, runs["saturated"])
@@ -122,60 +169,39 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     sim_sat = simulate(scn, trace_df=at_zero, cost_model=cost_model).summary
 
     sat_rps = runs["saturated"]["summary"]["throughput_requests_per_s"]
-    span = meta["arrival_span_s"]
-    offered = len(frame) / span if span > 0 else None
+    offered = len(frame) / meta["arrival_span_s"] if meta["arrival_span_s"] > 0 else None
     ledger_blocks = ledger_num_blocks(runs["realtime"]["ledger"], scn, sizing.bytes_per_block)
     engine_blocks = ledger_blocks if ledger_blocks is not None else measured["num_blocks"]
-    error = {}
-    for key in ERROR_KEYS:
-        if key == "num_blocks":
-            error[key] = relative_error(sizing.num_blocks, engine_blocks)
-        else:
-            error[key] = relative_error(lookup(simulated, key), lookup(measured, key))
+    error = _errors(sizing, engine_blocks, simulated, measured)
     load = offered / sat_rps if offered and sat_rps else None
     result = {
-        "name": scn.name,
-        "model": scn.model.name,
-        "gpu": scn.gpu.name,
-        "scenario": meta.get("scenario_path"),
-        "measured_dir": str(measured_dir),
-        "cost_model": cost_model.name,
-        "calibration": calibration,
-        "requests": len(frame),
-        "load": load,
-        "offered_rate_rps": offered,
-        "saturated_throughput_rps": sat_rps,
-        "error": error,
-        "bounds": check_bounds(error, load),
-        "measured": measured,
-        "simulated": simulated,
-        "saturated": {
-            "measured": runs["saturated"]["summary"], "simulated": sim_sat,
-            "error": {k: relative_error(lookup(sim_sat, k), lookup(runs["saturated"]["summary"], k))
-                      for k in ("throughput_requests_per_s", "throughput_output_tokens_per_s",
-                                "sim_duration_s", "tpot_s.mean", "running_peak")}},
+        "name": scn.name, "model": scn.model.name, "gpu": scn.gpu.name,
+        "scenario": meta.get("scenario_path"), "measured_dir": str(measured_dir),
+        "cost_model": cost_model.name, "calibration": calibration, "requests": len(frame),
+        "load": load, "offered_rate_rps": offered, "saturated_throughput_rps": sat_rps,
+        "error": error, "bounds": check_bounds(error, load),
+        "measured": measured, "simulated": simulated,
+        "saturated": _saturated(runs["saturated"]["summary"], sim_sat),
         "sizing": {"simkv_size_num_blocks": sizing.num_blocks,
                    "engine_allocated_num_blocks": measured["num_blocks"],
-                   "engine_ledger_num_blocks": ledger_blocks,
-                   "note": "num_blocks error: simkv size against the blocks the engine's measured "
-                           "peak memory leaves at the same budget (the allocated pool when the "
-                           "run has no device ledger); the engine allocates what simkv size says"},
+                   "engine_ledger_num_blocks": ledger_blocks, "note": SIZING_NOTE},
         "measurement": {k: meta.get(k) for k in ("device", "engine", "setup", "saturated",
                                                  "realtime", "requests_sha256")},
     }
     if diagnostics:
-        result["steps"] = {run: step_diagnostics(scn, frame if run == "realtime" else at_zero,
-                                                 runs[run], cost_model)
-                           for run in RUNS}
-        # the engine's time outside the executor, as the profile's engine pass measured it
-        result["steps"]["profile_engine_host"] = getattr(cost_model, "engine_host", None)
-        # and as its serving pass measured it (what the model charges instead, where present)
-        result["steps"]["profile_serving_host"] = getattr(cost_model, "serving_host", None)
+        result["steps"] = _steps(scn, frame, at_zero, runs, cost_model)
+    _write(result, out, scn, plots, runs["realtime"]["requests"], sim.requests)
+    return result
+
+
+def _write(result: dict, out, scn, plots: bool, measured_requests, simulated_requests) -> None:
+    """Write the result JSON to `out` (default: the profile's validation folder); with `plots`,
+    the plots beside it (their names go into the result)."""
+    from simkv.specs import profiles_dir
     out = Path(out) if out is not None else (profiles_dir() / scn.gpu.name / scn.model.name
                                              / "validation" / f"{scn.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if plots:
-        result["plots"] = [p.name for p in write_plots(runs["realtime"]["requests"],
-                                                       sim.requests, out.parent, out.stem)]
+        result["plots"] = [p.name for p in write_plots(measured_requests, simulated_requests,
+                                                       out.parent, out.stem)]
     write_json(out, result)
-    return result
