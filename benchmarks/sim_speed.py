@@ -1,12 +1,15 @@
 """Simulator speed: simulated seconds per wall second on the whole shared Azure conv trace.
 
     python benchmarks/sim_speed.py [--runs 3] [--profile] [--tail-ab N] [--clock-ab N]
-        [--json OUT.json]
+        [--against DIR --ab N] [--json OUT.json]
 
 Each run is a whole `simkv run` process (start-up, trace loading, simulation and result writing
 included), timed from outside; the ratio is sim_duration_s / wall seconds. `--profile` then runs
 the simulation once in-process under cProfile and reports where the time goes, by component.
-`--tail-ab N` times, in one process and alternated N times, the first 6,000 requests at twice
+`--against DIR --ab N` times the same whole `simkv run` process in this checkout and in another
+one (DIR, e.g. a worktree of an earlier commit), alternated N times, in CPU seconds of the child
+processes (user + system, from os.wait4): the new checkout's CPU time over the other's, per pair
+and as the median. `--tail-ab N` times, in one process and alternated N times, the first 6,000 requests at twice
 their rate (32 GiB) with the profile's fit as it is and with its decode tail taken the earlier
 way (the longest program against an even share, `decode_tail_in_order` off): the cost of the
 in-order tail as a ratio. `--clock-ab N` likewise times the same requests with the GPU
@@ -35,9 +38,10 @@ cost_model: auto
 cache: {{block_size: 16}}
 workload: {{trace: {TRACE}}}
 """
-COMPONENTS = [("scheduler", "simkv/engine/scheduler.py"), ("kv manager", "simkv/core/kv/"),
+COMPONENTS = [("scheduler", "simkv/engine/scheduler.py"), ("kv manager", "simkv/engine/kv/"),
               ("metrics", "simkv/engine/metrics.py"), ("cost model", "simkv/costmodel/"),
-              ("sim loop", "simkv/sim/engine.py"), ("traces", "simkv/workload/traces.py"),
+              ("sim loop", "simkv/sim/"), ("sim loop", "simkv/engine/loop.py"),
+              ("traces", "simkv/workload/"),
               ("simpy", "simpy/"), ("pandas/numpy", "pandas/"), ("pandas/numpy", "numpy/")]
 
 
@@ -58,6 +62,41 @@ def whole_process_runs(scenario: Path, runs: int) -> list:
         print(f"run {i + 1}: {wall:.2f} s wall, {summary['sim_duration_s']:.0f} sim s, "
               f"{summary['num_steps']} steps, {out[-1]['speedup']:.0f}x real time")
     return out
+
+
+def _cpu_run(scenario: Path, checkout: Path) -> tuple:
+    """(CPU seconds, wall seconds, sim_duration_s) of one `simkv run` process of `checkout`."""
+    import os
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PYTHONPATH=str(checkout))
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "simkv.cli", "run", str(scenario),
+                                 "--out", tmp, "--json"], cwd=checkout, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        if status:
+            sys.exit(f"simkv run in {checkout} failed: {proc.stderr.read().decode().strip()}")
+        summary = json.loads(Path(tmp, "summary.json").read_text())
+    return usage.ru_utime + usage.ru_stime, wall, summary["sim_duration_s"]
+
+
+def checkout_ab(scenario: Path, other: Path, repeats: int) -> dict:
+    """CPU seconds of the whole run here over the same run in `other`, alternated."""
+    import statistics
+    runs = {"this": [], "other": []}
+    for i in range(repeats):
+        for name, checkout in ((("other", other), ("this", ROOT)) if i % 2
+                               else (("this", ROOT), ("other", other))):
+            cpu, wall, sim_s = _cpu_run(scenario, checkout)
+            runs[name].append({"cpu_s": cpu, "wall_s": wall, "sim_duration_s": sim_s})
+            print(f"pair {i + 1} {name:5s}: {cpu:6.2f} CPU s, {wall:6.2f} s wall, "
+                  f"{sim_s:.0f} sim s", flush=True)
+    ratios = [a["cpu_s"] / b["cpu_s"] for a, b in zip(runs["this"], runs["other"])]
+    print(f"\nCPU seconds, this checkout over {other}: "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}")
+    return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios),
+            "other": str(other)}
 
 
 def profile_components(scenario: Path) -> dict:
@@ -135,6 +174,10 @@ def main() -> None:
                     help="also time the decode tail in order against the even-share tail")
     ap.add_argument("--clock-ab", type=int, default=0, metavar="N",
                     help="also time the GPU clock-state model against the clock fixed")
+    ap.add_argument("--against", type=Path, metavar="DIR",
+                    help="another checkout to time against (with --ab)")
+    ap.add_argument("--ab", type=int, default=3, metavar="N",
+                    help="pairs of runs against --against (default 3)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     if not TRACE.exists():
@@ -142,6 +185,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scenario = Path(tmp, "azure.yaml")
         scenario.write_text(SCENARIO)
+        if args.against is not None:
+            ab = checkout_ab(scenario, args.against.resolve(), args.ab)
+            if args.json:
+                args.json.write_text(json.dumps({"checkout_ab": ab, "command": " ".join(sys.argv),
+                                                 "python": platform.python_version(),
+                                                 "machine": platform.machine()}, indent=2) + "\n")
+            return
         runs = whole_process_runs(scenario, args.runs)
         best = max(runs, key=lambda r: r["speedup"])
         median = sorted(r["speedup"] for r in runs)[len(runs) // 2]
