@@ -4,6 +4,8 @@ import math
 
 import pytest
 
+from simkv.profile.format import FIT_FORMAT
+
 from simkv.engine.plan import ScheduledSeq, StepPlan
 from simkv.engine.request import Sequence
 from simkv.specs import load_gpu, load_model
@@ -17,11 +19,20 @@ def coefs(scale: float) -> dict:
     return {"t_linear_s": [1e-3 * scale, 2e-3 * scale, 3e-3 * scale, 1e-2 * scale],
             "a_decode_s_per_token": [1e-8 * scale], "a_prefill_s_per_pair": 1e-12,
             "a_prefill_ctx_s_per_token": 2e-9, "c_seq_s": 1e-6, "c_eager_s": 1e-4,
-            "host_floor_s": 0.0, "host_floor_s_per_seq": 0.0}
+            "host_floor_s": 0.0, "host_floor_s_per_seq": 0.0, "c_mixed_seq_s": 0.0,
+            "c_mixed_s": 0.0, "c_prefill_row_s": 0.0, "a_decode_longest_s_per_token": 0.0,
+            "a_prefill_tail_s_per_token": 0.0}
+
+
+# a layout without the GPU's programs: no kernel tails, every decode step up to 8 graphed
+LAYOUT = {"sm_count": 0, "num_kv_heads": 1, "decode_tile": 64, "max_model_len": 0,
+          "max_num_seqs": 256, "num_heads": 0, "prefill_tile": 64, "decode_slots_per_sm": 0.0,
+          "prefill_slots_per_sm": 0.0, "decode_tail_in_order": False, "mixed_token_sizes": []}
 
 
 def write_fit(tmp_path, **changes):
-    fit = {"format": "simkv-fit/1", "gpu": "h200", "model": "llama-3.1-8b", "kv_dtype": "bf16",
+    fit = {"format": FIT_FORMAT, "gpu": "h200", "model": "llama-3.1-8b", "kv_dtype": "bf16",
+           "layout": dict(LAYOUT),
            "block_sizes": [16, 64], "token_knots": KNOTS, "graph_batch_sizes": [1, 2, 4, 8],
            "kv_bytes_per_token": 131072, "form": "base",
            "step": {"16": coefs(1.0), "64": coefs(2.0)},
@@ -29,6 +40,8 @@ def write_fit(tmp_path, **changes):
                     "in": {"c0_s": 1e-5, "c_block_s": 0.0, "c_byte_s": 2e-11}},
            "copy": {"c0_s": 2e-5, "c_block_s": 1e-7, "c_byte_s": 0.0},
            "holdout_error": {"median": 0.01, "p95": 0.03}}
+    if isinstance(changes.get("layout"), dict):      # the keys a test sets, the rest as LAYOUT
+        changes["layout"] = {**LAYOUT, **changes["layout"]}
     fit.update(changes)
     path = tmp_path / "fit.json"
     path.write_text(json.dumps(fit))
@@ -346,3 +359,24 @@ def test_the_prefill_tail_is_a_short_chunk_over_a_long_prefix():
     assert layout.prefill_tail_tokens([(0, 64)] * 64) == 0.0       # 2,048 programs, all alike
     assert StepLayout((1,), sm_count=132, num_heads=32).prefill_tail_tokens([(32768, 128)]) == 0
     assert layout.prefill_tail_tokens(None) == layout.prefill_tail_tokens([]) == 0.0
+
+
+def test_a_fit_of_the_earlier_format_is_refused_with_the_command_that_refits_it(tmp_path):
+    path = write_fit(tmp_path, format="simkv-fit/1")
+    with pytest.raises(InputError, match=r"'simkv-fit/1', expected 'simkv-fit/2' \(re-run "
+                                         r"`simkv fit .*` on the profile's measurements\)"):
+        ProfiledCostModel.load(path)
+
+
+@pytest.mark.parametrize("key", ["layout", "step.16.c_mixed_s", "layout.decode_slots_per_sm",
+                                 "layout.decode_tail_in_order"])
+def test_a_fit_without_a_key_of_its_format_names_the_key(tmp_path, key):
+    path = write_fit(tmp_path)
+    fit = json.loads(path.read_text())
+    node, parts = fit, key.split(".")
+    for part in parts[:-1]:
+        node = node[part]
+    del node[parts[-1]]
+    path.write_text(json.dumps(fit))
+    with pytest.raises(InputError, match=f"missing key '{key}'"):
+        ProfiledCostModel.load(path)

@@ -106,14 +106,15 @@ def test_the_profiled_model_reads_shared_context_at_the_measured_saving(tmp_path
     items = [(1023, 1, True)] * 4
     plain = ProfiledCostModel.load(tmp_path / "fit.json", block_size=16)
     (tmp_path / SHARED_READS_FILE).write_text(json.dumps(
-        {"format": "simkv-shared-reads-1", "saving": 0.5}))
+        {"format": "simkv-shared-reads-1", "saving": 0.45, "saving_first": 0.5,
+         "saving_further": 0.5}))
     shared = ProfiledCostModel.load(tmp_path / "fit.json", block_size=16)
     shared.use_shared_reads(load_shared_reads(tmp_path))
     plan = plan_of(items, decode_shared_context_tokens=2048)
     # a_dec is 1e-8 s per token at block size 16 (test_profiled_costmodel.coefs)
     assert plain.predict(plan) - shared.predict(plan) == pytest.approx(0.5 * 1e-8 * 2048)
     assert shared.predict(plan_of(items)) == plain.predict(plan_of(items))
-    assert shared.describe()["shared_reads"]["saving"] == 0.5
+    assert shared.describe()["shared_reads"]["saving_first"] == 0.5
 
 
 def shared_read_models(tmp_path, **savings):
@@ -140,26 +141,17 @@ def test_the_first_repeat_of_a_block_saves_its_own_share_and_further_repeats_the
     assert shared.describe()["shared_reads"]["saving_further"] == 0.4
 
 
-def test_a_shared_reads_file_without_the_two_savings_gives_its_one_saving_to_both(tmp_path):
-    (tmp_path / SHARED_READS_FILE).write_text(json.dumps(
-        {"format": "simkv-shared-reads-1", "saving": 0.45}))
-    loaded = load_shared_reads(tmp_path)
-    assert (loaded["saving"], loaded["saving_first"], loaded["saving_further"]) \
-        == (0.45, 0.45, 0.45)
-    model = ProfiledCostModel.load(write_fit(tmp_path), block_size=16)
-    model.use_shared_reads({"saving": 0.45})           # as a caller may pass it
-    assert model.describe()["shared_reads"]["saving_further"] == 0.45
-
-
 @pytest.mark.parametrize("content, match", [
     ("{", "not valid JSON"),
     ("[1, 2]", "expected a JSON object"),
-    (json.dumps({"format": "simkv-shared-reads-1", "saving": 1.5}), "saving in \\[0, 1\\]"),
+    (json.dumps({"format": "simkv-shared-reads-1", "saving": 1.5, "saving_first": 0.5,
+                 "saving_further": 0.5}), "in \\[0, 1\\]"),
     (json.dumps({"format": "other", "saving": 0.5}), "needs format"),
-    (json.dumps({"format": "simkv-shared-reads-1", "saving": 0.5, "saving_first": 1.5}),
-     "saving_first, saving_further in \\[0, 1\\]"),
-    (json.dumps({"format": "simkv-shared-reads-1", "saving": 0.5, "saving_further": "0.4"}),
-     "saving_first, saving_further in \\[0, 1\\]")])
+    (json.dumps({"format": "simkv-shared-reads-1", "saving": 0.5}), "saving_further in"),
+    (json.dumps({"format": "simkv-shared-reads-1", "saving": 0.5, "saving_first": 1.5,
+                 "saving_further": 0.4}), "saving_further in \\[0, 1\\]"),
+    (json.dumps({"format": "simkv-shared-reads-1", "saving": 0.5, "saving_first": 0.5,
+                 "saving_further": "0.4"}), "saving_further in \\[0, 1\\]")])
 def test_a_bad_shared_reads_file_names_itself(tmp_path, content, match):
     (tmp_path / SHARED_READS_FILE).write_text(content)
     with pytest.raises(InputError, match=f"{SHARED_READS_FILE}.*{match}"):

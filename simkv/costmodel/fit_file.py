@@ -12,10 +12,12 @@ from simkv.profile.format import FIT_FILE, FIT_FORMAT
 from simkv.specs import profiles_dir
 
 STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
-             "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s")
-OPTIONAL_STEP_KEYS = ("host_floor_s", "host_floor_s_per_seq", "c_mixed_seq_s", "c_mixed_s",
-                      "c_prefill_row_s", "a_decode_longest_s_per_token",
-                      "a_prefill_tail_s_per_token")     # absent: no such term
+             "a_prefill_ctx_s_per_token", "c_seq_s", "c_eager_s", "host_floor_s",
+             "host_floor_s_per_seq", "c_mixed_seq_s", "c_mixed_s", "c_prefill_row_s",
+             "a_decode_longest_s_per_token", "a_prefill_tail_s_per_token")
+LAYOUT_INT_KEYS = ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs",
+                   "num_heads", "prefill_tile")
+LAYOUT_SLOT_KEYS = ("decode_slots_per_sm", "prefill_slots_per_sm")
 SHAPE_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
               "intermediate_size", "vocab_size")
 TRANSFER_KEYS = ("c0_s", "c_block_s", "c_byte_s")
@@ -110,7 +112,8 @@ def _read_header(read: FitFile, fit: dict, path: Path) -> None:
         raise InputError(f"{path}: expected a JSON object written by `simkv fit`")
     fmt = need(fit, "format", path)
     if fmt != FIT_FORMAT:
-        raise InputError(f"{path}: key 'format' is {fmt!r}, expected {FIT_FORMAT!r}")
+        raise InputError(f"{path}: key 'format' is {fmt!r}, expected {FIT_FORMAT!r} (re-run "
+                         f"`simkv fit {path.parent}` on the profile's measurements)")
     for key in ("gpu", "model"):
         need(fit, key, path)
     sizes = need(fit, "block_sizes", path)
@@ -124,26 +127,24 @@ def _read_header(read: FitFile, fit: dict, path: Path) -> None:
 
 
 def _read_layout(fit: dict, path: Path, token_knots, graph_batch_sizes) -> StepLayout:
-    layout = fit.get("layout") or {}
+    layout = need(fit, "layout", path)
     if not isinstance(layout, dict):
         raise InputError(f"{path}: key 'layout' must be an object")
-    fields = {}
-    for key in ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs",
-                "num_heads", "prefill_tile"):
-        if key in layout:
-            fields[key] = int(numbers(layout[key], f"layout.{key}", path)[0])
-    for key in ("decode_slots_per_sm", "prefill_slots_per_sm"):
-        if key in layout:
-            slots = numbers(layout[key], f"layout.{key}", path)[0]
-            if slots < 0:
-                raise InputError(f"{path}: key 'layout.{key}' must be >= 0, got {slots:g}")
-            fields[key] = slots
-    if layout.get("decode_tail_in_order"):
-        fields["decode_tail_in_order"] = True
-    if layout.get("mixed_token_sizes"):
-        fields["mixed_token_sizes"] = tuple(sorted(int(t) for t in numbers(
-            layout["mixed_token_sizes"], "layout.mixed_token_sizes", path)))
-    return StepLayout(tuple(token_knots), tuple(graph_batch_sizes), **fields)
+    fields = {key: int(numbers(need(layout, key, path, "layout."), f"layout.{key}", path)[0])
+              for key in LAYOUT_INT_KEYS}
+    for key in LAYOUT_SLOT_KEYS:
+        slots = numbers(need(layout, key, path, "layout."), f"layout.{key}", path)[0]
+        if slots < 0:
+            raise InputError(f"{path}: key 'layout.{key}' must be >= 0, got {slots:g}")
+        fields[key] = slots
+    in_order = need(layout, "decode_tail_in_order", path, "layout.")
+    if not isinstance(in_order, bool):
+        raise InputError(f"{path}: key 'layout.decode_tail_in_order' must be true or false")
+    sizes = need(layout, "mixed_token_sizes", path, "layout.")
+    sizes = numbers(sizes, "layout.mixed_token_sizes", path) if sizes else []
+    return StepLayout(tuple(token_knots), tuple(graph_batch_sizes), **fields,
+                      decode_tail_in_order=in_order,
+                      mixed_token_sizes=tuple(sorted(int(t) for t in sizes)))
 
 
 def _read_step(entry: dict, bs: int, path: Path, num_knots: int) -> dict:
@@ -151,8 +152,6 @@ def _read_step(entry: dict, bs: int, path: Path, num_knots: int) -> dict:
     for key in STEP_KEYS:
         value = numbers(need(entry, key, path, f"step.{bs}."), f"step.{bs}.{key}", path)
         coefs[key] = value if key in ("t_linear_s", "a_decode_s_per_token") else value[0]
-    for key in OPTIONAL_STEP_KEYS:
-        coefs[key] = numbers(entry.get(key, 0.0), f"step.{bs}.{key}", path)[0]
     if len(coefs["t_linear_s"]) != num_knots:
         raise InputError(f"{path}: key 'step.{bs}.t_linear_s' has "
                          f"{len(coefs['t_linear_s'])} values for {num_knots} token_knots")

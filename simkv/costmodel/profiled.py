@@ -99,7 +99,7 @@ class ProfiledCostModel(TermModel):
             ratio = kv_bytes / measured
             for key in ("a_decode_s_per_token", "a_decode_longest_s_per_token",
                         "a_prefill_ctx_s_per_token"):
-                v = self.coefs.get(key, 0.0)
+                v = self.coefs[key]
                 self.coefs[key] = [x * ratio for x in v] if isinstance(v, list) else v * ratio
             self.notes.append(f"kv_dtype {kv_dtype}: KV-read terms scaled by {ratio:g} from the "
                               f"{fit.get('kv_dtype', 'bf16')} measurement (not measured)")
@@ -117,14 +117,10 @@ class ProfiledCostModel(TermModel):
         """A block that several decode sequences read (forks, prefix hits) is read again from
         L2: its first repeat saves `shared_reads['saving_first']` of a read from HBM, each
         further repeat `shared_reads['saving_further']` (a measurement beside the fit,
-        `simkv.costmodel.shared_reads`; either missing: `shared_reads['saving']`, the one saving
-        for every repeat); None: repeats cost as much as any."""
+        `simkv.costmodel.shared_reads.load_shared_reads`); None: repeats cost as much as any."""
         first = further = 0.0
         if shared_reads is not None:
-            saving = shared_reads["saving"]
-            first = shared_reads.get("saving_first", saving)
-            further = shared_reads.get("saving_further", saving)
-            shared_reads = {**shared_reads, "saving_first": first, "saving_further": further}
+            first, further = shared_reads["saving_first"], shared_reads["saving_further"]
         self.shared_reads = shared_reads
         self._shared_saving_first = first
         self._shared_saving_further = further
@@ -166,12 +162,12 @@ class ProfiledCostModel(TermModel):
         self._a_dec = c["a_decode_s_per_token"]
         self._a_pf = c["a_prefill_s_per_pair"]
         self._a_ctx = c["a_prefill_ctx_s_per_token"]
-        self._a_ptail = c.get("a_prefill_tail_s_per_token", 0.0)
+        self._a_ptail = c["a_prefill_tail_s_per_token"]
         self._c_seq = c["c_seq_s"]
         self._c_eager = c["c_eager_s"]
-        self._c_mixed_seq = c.get("c_mixed_seq_s", 0.0)
-        self._c_mixed = c.get("c_mixed_s", 0.0)
-        self._c_prefill_row = c.get("c_prefill_row_s", 0.0)
+        self._c_mixed_seq = c["c_mixed_seq_s"]
+        self._c_mixed = c["c_mixed_s"]
+        self._c_prefill_row = c["c_prefill_row_s"]
         self._a_long = c["a_decode_longest_s_per_token"]
         self._h0 = c["host_floor_s"]
         self._h_seq = c["host_floor_s_per_seq"]

@@ -29,14 +29,10 @@ class RooflineParams:
     # CUDA graph; any other step (prefill chunks: more kernels per layer, and above the largest
     # mixed-step graph launched from the host) costs the "eager" overhead. Both are a fixed
     # overhead per layer (the kernels' launch gaps and tails; a model with half the layers runs
-    # half the kernels). Counting graphed mixed steps as graphed instead fitted worse (8B
-    # median 8.9% against 5.0%, 1B 12.7% against 10.7%; profiles of 2026-11-29, fifth). When
-    # these are set they replace step_overhead_s. `graph_step_overhead_s` (one overhead per
-    # graphed step whatever the layers) is the form of calibrations written before 2026-11-29's
-    # third profile; it is used when `graph_overhead_s_per_layer` is absent.
+    # half the kernels; counting graphed mixed steps as graphed fitted worse: docs/profiling.md).
+    # When these are set they replace step_overhead_s.
     graph_overhead_s_per_layer: Optional[float] = None
     eager_overhead_s_per_layer: Optional[float] = None
-    graph_step_overhead_s: Optional[float] = None
     graph_max_batch: int = 256
 
 
@@ -113,10 +109,7 @@ class RooflineCostModel(TermModel):
             if p.eager_overhead_s_per_layer is None:
                 overhead = p.step_overhead_s
             elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens <= p.graph_max_batch:
-                if p.graph_overhead_s_per_layer is not None:
-                    overhead = p.graph_overhead_s_per_layer * self.num_layers
-                else:
-                    overhead = p.graph_step_overhead_s or 0.0
+                overhead = (p.graph_overhead_s_per_layer or 0.0) * self.num_layers
             else:
                 overhead = p.eager_overhead_s_per_layer * self.num_layers
             per_seq = p.per_seq_overhead_s * len(plan.scheduled)

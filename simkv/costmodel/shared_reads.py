@@ -33,20 +33,17 @@ def _is_share(value) -> bool:
 
 def load_shared_reads(profile_dir: Path) -> dict | None:
     """{'saving', 'saving_first', 'saving_further', 'path'} from the profile's shared_reads.json
-    (shares of a read from HBM: one for every repeat, the first repeat of a block, each further
-    one; a file without the last two gives `saving` for both), or None when it has none."""
+    (shares of a read from HBM: the one saving fitted for every repeat alike, which the model
+    does not use, the first repeat of a block, each further one), or None when it has none."""
     path = Path(profile_dir) / SHARED_READS_FILE
     if not path.is_file():
         return None
     data = read_json_object(path, "run `python -m simkv.fitting.shared_reads`")
-    saving = data.get("saving")
-    first = data.get("saving_first", saving)
-    further = data.get("saving_further", saving)
+    saving, first, further = (data.get(k) for k in ("saving", "saving_first", "saving_further"))
     if data.get("format") != SHARED_READS_FORMAT or not all(map(_is_share,
                                                                 (saving, first, further))):
-        raise InputError(f"{path}: needs format {SHARED_READS_FORMAT} and a saving in [0, 1] "
-                         "(and saving_first, saving_further in [0, 1] where given; re-run "
-                         "`python -m simkv.fitting.shared_reads`)")
+        raise InputError(f"{path}: needs format {SHARED_READS_FORMAT} and saving, saving_first "
+                         "and saving_further in [0, 1] (re-run `simkv fit shared-reads`)")
     return {"saving": float(saving), "saving_first": float(first),
             "saving_further": float(further), "path": str(path)}
 

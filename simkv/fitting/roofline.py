@@ -138,9 +138,7 @@ def roofline_error(params, other_profile_dir) -> dict:
     if isinstance(params, dict) and "eager_overhead_s_per_layer" in params:
         q = _roofline_terms(model, gpu, steps)
         bw, fl = params["bandwidth_efficiency"], params["flops_efficiency"]
-        graph = params.get("graph_overhead_s_per_layer")
-        if graph is None:       # a calibration of the earlier form: one overhead per graphed step
-            graph = params["graph_step_overhead_s"] / float(model.num_layers)
+        graph = params["graph_overhead_s_per_layer"]
         c = np.array([1.0 / params["attention_flops_efficiency"], graph,
                       params["eager_overhead_s_per_layer"], params["per_seq_overhead_s"]])
         pred = np.maximum(q["weight_s"] / bw, q["flop_s"] / fl) + q["kv_s"] / bw \

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 FIT_FILE = "fit.json"
-FIT_FORMAT = "simkv-fit/1"
+FIT_FORMAT = "simkv-fit/2"     # every step and layout key present (fits of /1 may lack some)
 CLOCK_FILE = "clock.json"
 CLOCK_FORMAT = "simkv-clock-1"
 SHARED_READS_FILE = "shared_reads.json"
