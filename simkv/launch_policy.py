@@ -11,7 +11,7 @@ from __future__ import annotations
 # the steps are coarse there and finer above, where padding costs device time. Up to 2,048
 # tokens: a 1B's eager steps of 1,024-2,048 tokens are host-bound (~8 ms of launches over 4-8 ms
 # of device work) and took up to twice as long in the host's slow spells (p10-p90 spread 35-55%;
-# benchmarks/eager_noise.py); graphed, the launches are one. Steps with prefill chunks and more
+# research/eager_noise.py); graphed, the launches are one. Steps with prefill chunks and more
 # tokens than the largest run eagerly.
 MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536,
                      1664, 1792, 1920, 2048)
@@ -37,7 +37,7 @@ def mixed_graph_sizes(max_num_batched_tokens: int, sizes=MIXED_TOKEN_SIZES) -> l
 # (measured on an H200: at batch 64 × 4096 one split beat 2, 3, 4 and 8); a smaller one is split
 # towards SPLIT_PROGRAMS_PER_SM programs per SM, each split keeping at least MIN_TILES_PER_SPLIT
 # tiles (4 and 2: the best geometric mean against SDPA at batch 1/4/8 x 4,096/16,384 in the bounded
-# tune on an H200, profiles/h200/kernels-tuned/best.json; `python -m simkv.gpu.bench tune --quick`
+# tune on an H200, profiles/h200/kernels-tuned/best.json; `simkv bench tune --quick`
 # sweeps them again).
 FULL_PROGRAMS_PER_SM = 2
 SPLIT_PROGRAMS_PER_SM = 4

@@ -1,6 +1,6 @@
 """The GPU's clock under its power cap: a state that step times depend on.
 
-Measured on the H200 (`benchmarks/clock_probe.py`, profiles/h200/llama-3.1-8b/probes/clock*/):
+Measured on the H200 (`research/clock_probe.py`, profiles/h200/llama-3.1-8b/probes/clock*/):
 run back to back, a composition settles at an SM clock that falls with the FLOP rate it runs at
 (decode batches of up to 128 sequences stay at 1,980 MHz; prefill chunks of 1-8k tokens, at
 550-630 TFLOP/s, settle near 1,540-1,670 MHz at the 700 W cap), and the clock follows a change
@@ -71,11 +71,11 @@ class ClockModel:
     @classmethod
     def load(cls, path) -> "ClockModel":
         path = Path(path)
-        data = read_json_object(path, "run `python -m simkv.fitting.clock`")
+        data = read_json_object(path, "run `simkv fit clock`")
         params = data.get("params")
         if data.get("format") != CLOCK_FORMAT or not isinstance(params, dict):
             raise InputError(f"{path}: not a {CLOCK_FORMAT} file (re-run "
-                             "`python -m simkv.fitting.clock`)")
+                             "`simkv fit clock`)")
         values = {}
         for key, field in cls.__dataclass_fields__.items():
             v = params.get(key, None if field.default is MISSING else field.default)

@@ -5,7 +5,7 @@ prefixes; the decode kernel's programs for those sequences read the same blocks 
 same time, and the repeats come from L2 instead of HBM. `shared_reads.json`, beside a profile's
 fit.json, gives the share of a read from HBM that a repeated read saves: `saving_first` for the
 first repeat of a block, `saving_further` for each further one, `saving` for every repeat alike
-(fitted by `python -m simkv.fitting.shared_reads`). The profiled model charges decode reads as
+(fitted by `simkv fit shared-reads`). The profiled model charges decode reads as
 `decode_context_tokens - s_first * decode_shared_block_tokens - s_further *
 (decode_shared_context_tokens - decode_shared_block_tokens)` (the scheduler counts both from the
 KV manager's references beyond the first and its shared blocks, less the shares of the running
@@ -38,7 +38,7 @@ def load_shared_reads(profile_dir: Path) -> dict | None:
     path = Path(profile_dir) / SHARED_READS_FILE
     if not path.is_file():
         return None
-    data = read_json_object(path, "run `python -m simkv.fitting.shared_reads`")
+    data = read_json_object(path, "run `simkv fit shared-reads`")
     saving, first, further = (data.get(k) for k in ("saving", "saving_first", "saving_further"))
     if data.get("format") != SHARED_READS_FORMAT or not all(map(_is_share,
                                                                 (saving, first, further))):

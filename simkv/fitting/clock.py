@@ -3,7 +3,7 @@
     python -m simkv.fitting.clock PROBE_DIR [PROBE_DIR...] --model llama-3.1-8b \
         --out profiles/h200/llama-3.1-8b/clock.json
 
-PROBE_DIR is what `benchmarks/clock_probe.py` wrote (steps.csv, smi.csv, meta.json); probes from
+PROBE_DIR is what `research/clock_probe.py` wrote (steps.csv, smi.csv, meta.json); probes from
 different leases of the GPU are pooled, each with its own full-clock times. In order:
 
 1. each composition's time after a rest: the faster of the first two steps of each `self` case
@@ -49,7 +49,7 @@ FITTED_PHASES = ("self", "recover", "recover_idle")
 def read_probe(probe_dir: Path) -> tuple:
     """(steps, smi, meta) of a clock probe; smi's `t_s` on the steps' clock."""
     probe_dir = Path(probe_dir)
-    meta = read_json_object(probe_dir / "meta.json", "written by benchmarks/clock_probe.py")
+    meta = read_json_object(probe_dir / "meta.json", "written by research/clock_probe.py")
     try:
         steps = pd.read_csv(probe_dir / "steps.csv")
         smi = pd.read_csv(probe_dir / "smi.csv", skipinitialspace=True)
@@ -65,7 +65,7 @@ def read_probe(probe_dir: Path) -> tuple:
     if not isinstance(meta.get("t0_unix"), (int, float)) \
             or not isinstance(meta.get("compositions"), dict):
         raise InputError(f"{probe_dir}/meta.json: needs t0_unix and compositions "
-                         "(written by benchmarks/clock_probe.py)")
+                         "(written by research/clock_probe.py)")
     try:
         stamp = pd.to_datetime(smi["timestamp"], format="%Y/%m/%d %H:%M:%S.%f")
     except ValueError:

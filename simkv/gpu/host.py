@@ -2,7 +2,7 @@
 
 A step that launches its kernels from Python (an eager step of a small model: 1.5-3 ms of
 device work behind ~8 ms of launches) is as slow as the host. Two host effects were measured on
-the H200's machine (benchmarks/eager_noise.py, a 1B's eager steps of 1,084-2,048 tokens):
+the H200's machine (research/eager_noise.py, a 1B's eager steps of 1,084-2,048 tokens):
 
 - a garbage collection started by the forward's short-lived tensors, traversing every object
   the process holds, stalls the launches: medians 11-15 ms with collections against 8.7-13 ms

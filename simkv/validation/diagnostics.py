@@ -125,7 +125,7 @@ def decode_time_split(steps: pd.DataFrame) -> dict:
     need = {"num_prefill_tokens", "duration_s", "span_s", "prep_s", "num_seqs"}
     if not need <= set(steps.columns):
         raise InputError(f"steps.csv needs columns {sorted(need)} (a run measured by "
-                         "python -m simkv.validate measure)")
+                         "simkv validate measure)")
     steps = steps[sorted(need)].apply(pd.to_numeric, errors="coerce")
     if steps.isna().any().any():
         bad = steps.columns[steps.isna().any()][0]
@@ -162,7 +162,7 @@ def served_step_error(result: dict, run: str = "realtime") -> float:
     steps = steps.get(run) if isinstance(steps, dict) else None
     if not isinstance(steps, dict) or not steps.get("matched_steps"):
         raise InputError(f"no per-step diagnostic with matched steps (steps.{run}); a result of "
-                         "python -m simkv.validate compare has one")
+                         "simkv validate compare has one")
     try:
         return sum(float(steps[kind]["time_fraction"])
                    * abs(float(steps[kind]["error_vs_duration_total"]))
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     errors = []
     try:
         for path in args.results:
-            result = read_json_object(path, "a result of python -m simkv.validate compare")
+            result = read_json_object(path, "a result of simkv validate compare")
             try:
                 errors.append(served_step_error(result))
             except InputError as e:
@@ -213,7 +213,7 @@ def _print_splits(paths) -> int:
     print("result\tsteps\tseqs\tduration_ms\tgpu_ms\tprep_ms\toutside_ms")
     try:
         for path in paths:
-            result = read_json_object(path, "a result of python -m simkv.validate compare")
+            result = read_json_object(path, "a result of simkv validate compare")
             steps_csv = Path(str(result.get("measured_dir", ""))) / "realtime" / "steps.csv"
             try:
                 steps = pd.read_csv(steps_csv)

@@ -75,7 +75,10 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run = _Pass(model, dev, seed, np.random.default_rng(seed), design(quick),
                 reps or (2 if quick else 5), quick, parts, log, started)
-    command = " ".join(["simkv profile"] + sys.argv[1:]) if sys.argv and sys.argv[0] else None
+    args = sys.argv[1:]
+    if args[:1] == ["profile"]:         # `simkv profile ...` rather than `python -m ...profiler`
+        args = args[1:]
+    command = " ".join(["simkv profile"] + args) if sys.argv and sys.argv[0] else None
     if not ("steps" in parts or "transfers" in parts):
         block_sizes = [b for b in block_sizes if b == LEDGER_BLOCK_SIZE] or [LEDGER_BLOCK_SIZE]
 
