@@ -105,7 +105,7 @@ class Scheduler:
             self._rejected = []
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:
-            budget = self._resume_swapped(plan, budget)
+            self._resume_swapped(plan)
             if not self.swapped:
                 self._admit_waiting(plan, now, budget)
         self._finalise(plan)
@@ -133,11 +133,22 @@ class Scheduler:
             i, budget = self._schedule_request(plan, req, i, budget)
         return budget
 
+    def _chunk(self, num_new: int, budget: int) -> int | None:
+        """Prompt tokens of a prefill this step: at most long_prefill_token_threshold and at
+        most the token budget; None when they exceed the budget and chunked prefill is off."""
+        threshold = self.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        if num_new > budget:
+            if not self.enable_chunked_prefill:
+                return None
+            num_new = budget
+        return num_new
+
     def _schedule_request(self, plan: StepPlan, req: Request, i: int, budget: int) -> tuple:
         """The sequences of running request `req` (index `i`): decodes and prefill chunks.
         Returns (index of the next running request, token budget left)."""
         kv = self.kv
-        threshold = self.long_prefill_token_threshold
         scheduled = plan.scheduled
         seqs = req.seqs
         mark = len(scheduled)         # this request's items start here
@@ -148,12 +159,9 @@ class Scheduler:
             if num_new == 0 or (computed == 0 and seq is not seqs[0]):
                 continue              # a sample waiting to re-fork from the first (_refork)
             if num_new > 1:
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > budget:
-                    if not self.enable_chunked_prefill:
-                        continue
-                    num_new = budget
+                num_new = self._chunk(num_new, budget)
+                if num_new is None:
+                    continue
             if budget <= 0:
                 break
             while not kv.allocate_slots(seq, num_new):
@@ -163,7 +171,7 @@ class Scheduler:
                     break
                 if index < i:              # priority policy: a request already served this step
                     i -= 1
-                    mark -= self._count_items(plan, victim)
+                    mark -= sum(1 for item in plan.scheduled if item.seq.request is victim)
                     budget += self._unschedule(plan, victim)
             if preempted_self:
                 break
@@ -179,7 +187,6 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan, now: float, budget: int) -> None:
         kv = self.kv
-        threshold = self.long_prefill_token_threshold
         waiting = self.waiting
         while waiting and budget > 0:
             req = waiting[0]
@@ -196,12 +203,9 @@ class Scheduler:
             for seq in to_admit:
                 cached_blocks, cached_tokens = kv.prefix_lookup(seq)
                 num_new = seq.num_tokens - seq.num_computed_tokens - cached_tokens
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > budget:
-                    if not self.enable_chunked_prefill:
-                        break
-                    num_new = budget
+                num_new = self._chunk(num_new, budget)
+                if num_new is None:
+                    break
                 if not kv.allocate_slots(seq, num_new, cached_blocks, admission=True):
                     break
                 admitted.append((seq, cached_tokens))
@@ -232,7 +236,8 @@ class Scheduler:
             self.num_running_seqs += _seats(req)
             plan.scheduled.extend(items)
 
-    def _resume_swapped(self, plan: StepPlan, budget: int) -> int:
+    def _resume_swapped(self, plan: StepPlan) -> None:
+        """Swapped requests back in, oldest first, while seats and blocks allow."""
         swapped = self.swapped
         while swapped:
             req = swapped[0]
@@ -246,7 +251,6 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.num_running_seqs += _seats(req)
-        return budget
 
     def _preempt(self, plan: StepPlan) -> tuple:
         """Take a victim off the running list: swap it out, or free it to be recomputed.
@@ -279,10 +283,6 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         return victim, index
-
-    @staticmethod
-    def _count_items(plan: StepPlan, req: Request) -> int:
-        return sum(1 for item in plan.scheduled if item.seq.request is req)
 
     @staticmethod
     def _unschedule(plan: StepPlan, victim: Request) -> int:
