@@ -75,10 +75,7 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run = _Pass(model, dev, seed, np.random.default_rng(seed), design(quick),
                 reps or (2 if quick else 5), quick, parts, log, started)
-    args = sys.argv[1:]
-    if args[:1] == ["profile"]:         # `simkv profile ...` rather than `python -m ...profiler`
-        args = args[1:]
-    command = " ".join(["simkv profile"] + args) if sys.argv and sys.argv[0] else None
+    command = _command()
     if not ("steps" in parts or "transfers" in parts):
         block_sizes = [b for b in block_sizes if b == LEDGER_BLOCK_SIZE] or [LEDGER_BLOCK_SIZE]
 
@@ -195,3 +192,13 @@ def _serving_pass(run: _Pass, meta: dict) -> None:
         gpu=gpu_short_name(torch.cuda.get_device_name(run.dev)), max_num_seqs=MAX_NUM_SEQS)
     meta["serving_pass"]["offline_throughput_rps"] = round(offline_rps, 3)
     meta["profile_seconds"] = round(time.perf_counter() - run.started, 1)
+
+
+def _command() -> str | None:
+    """The command that ran the profiler, as `simkv profile ...` (None when not from one)."""
+    if not (sys.argv and sys.argv[0]):
+        return None
+    args = sys.argv[1:]
+    if args[:1] == ["profile"]:         # `simkv profile ...` rather than `python -m ...profiler`
+        args = args[1:]
+    return " ".join(["simkv profile"] + args)
