@@ -158,11 +158,10 @@ def order_swap_outs(plan, kv) -> tuple:
     destination is then free once scheduling is over, which tells the two cases apart (given
     the KV manager); its last swap-out goes after the copies.
     """
-    if not (plan.block_copies and plan.swap_out) or getattr(kv, "pool", None) is None:
+    if not (plan.block_copies and plan.swap_out):
         return plan.swap_out, []
-    free = kv.pool.free_queue
     last = {device: i for i, (device, _) in enumerate(plan.swap_out)}
-    late = {last[dst] for _, dst in plan.block_copies if dst in last and dst in free}
+    late = {last[dst] for _, dst in plan.block_copies if dst in last and kv.is_free(dst)}
     if not late:
         return plan.swap_out, []
     return ([p for i, p in enumerate(plan.swap_out) if i not in late],

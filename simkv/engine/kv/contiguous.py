@@ -54,6 +54,11 @@ class ContiguousKVCacheManager:
         res = self.reservations.get(seq.seq_id)
         return res[1] * self.block_size if res else 0
 
+    def is_free(self, block: int) -> bool:
+        """Always False here, which keeps every swap-out before the block copies (the order
+        the GPU executor has always used for this manager; simkv.gpu.swap.order_swap_outs)."""
+        return False
+
     def allocated_slots(self, table_blocks: int, running) -> int:
         """Token slots the running sequences hold: their whole reservations."""
         return sum(self.seq_slots(seq) for req in running for seq in req.seqs)
