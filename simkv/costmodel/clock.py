@@ -1,10 +1,10 @@
 """The GPU's clock under its power cap: a state that step times depend on.
 
-Measured on the H200 (`research/clock_probe.py`, profiles/h200/llama-3.1-8b/probes/clock*/):
-run back to back, a composition settles at an SM clock that falls with the FLOP rate it runs at
-(decode batches of up to 128 sequences stay at 1,980 MHz; prefill chunks of 1-8k tokens, at
-550-630 TFLOP/s, settle near 1,540-1,670 MHz at the 700 W cap), and the clock follows a change
-of work within tens of milliseconds. A step's time at clock f is
+Run back to back, a composition settles at an SM clock that falls with the FLOP rate it runs
+at (light decode batches stay at the top clock, long prefill chunks settle well below it), and
+the clock follows a change of work within tens of milliseconds (the probes, their data and the
+fitted figures: research/clock_probe.py, profiles/h200/llama-3.1-8b/clock.json,
+docs/profiling.md). A step's time at clock f is
 
     t(f) = t_full * (1 + s * (f_max / f - 1))
 
@@ -15,14 +15,10 @@ average (time constant `tau_down_s` when it falls, `tau_up_s` when it rises), so
 step after light work starts near full clock and the clock falls behind it.
 
 A profile times its compositions round after round in the design's order, so similar
-compositions follow each other and each is measured near its own settling clock: the clock
-probe's `profile` phase ran the profiler's grid with the probe's compositions in it (H200,
-2026-11-29): decode batches at 1.00-1.05x their light-work times, prefill chunks of 1-8k tokens
-at 1.06-1.22x. The clocked model therefore takes a profiled forward time as the composition's
-time at its settling clock, turns it into its full-clock time with that, and times each
-simulated step at the clock the run so far has left the GPU in. (Timing each composition again
-after 0.1 s of idle, the profiler's optional `rested` part, does not give full-clock times:
-decode batches came out 0-3% slower than in the grid, where they run at the top clock.)
+compositions follow each other and each is measured near its own settling clock. The clocked
+model therefore takes a profiled forward time as the composition's time at its settling clock,
+turns it into its full-clock time with that, and times each simulated step at the clock the run
+so far has left the GPU in.
 """
 from __future__ import annotations
 

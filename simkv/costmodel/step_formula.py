@@ -77,13 +77,13 @@ class StepLayout:
     mixed_token_sizes: tuple = ()  # token counts of the captured mixed steps (none: eager)
     max_num_seqs: int = 256      # a mixed graph of T tokens has min(T, max_num_seqs) decode rows
     decode_slots_per_sm: float = 0.0   # decode programs an SM runs at once (0: count the whole
-                                       # busiest program, as fits before this field did)
+                                       # busiest program)
     decode_tail_in_order: bool = False  # list-schedule the batch's programs in launch order
-                                        # (fits from 2026-11-29's fourth profile on)
+                                        # (else: the busiest program against an even share)
     num_heads: int = 0                 # query heads: the prefill kernel's programs per tile
     prefill_tile: int = 64             # query tokens per prefill-kernel program (BLOCK_M)
     prefill_slots_per_sm: float = 0.0  # prefill programs an SM runs at once (0: no prefill
-                                       # tail term, as fits before the fifth profile's)
+                                       # tail term)
 
     def mixed_size(self, num_tokens: int) -> int:
         """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
