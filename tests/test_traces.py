@@ -1,7 +1,6 @@
 """Trace loading: the canonical frame from Azure, Mooncake, BurstGPT and canonical CSV files."""
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -58,14 +57,11 @@ def hand_written(tmp_path):
 # --- the shared real traces ------------------------------------------------------------------
 
 @needs_azure
-def test_shared_azure_trace_loads_19366_requests_over_3502_s_in_well_under_a_second():
-    start = time.perf_counter()
-    df = load_trace(AZURE)
-    elapsed = time.perf_counter() - start
+def test_shared_azure_trace_loads_19366_requests_over_3502_s():
+    df = load_trace(AZURE)        # its loading time: benchmarks/trace_load.py
     assert len(df) == 19366
     assert df["arrival_s"].iloc[-1] == pytest.approx(3501.72, abs=0.01)
     assert df.attrs["format"] == "azure" and df.attrs["dropped"] == {}
-    assert elapsed < 0.5, f"loading took {elapsed:.3f} s"
 
 
 @needs_azure
@@ -81,14 +77,11 @@ def test_shared_azure_trace_stats_match_its_readme():
 
 @needs_mooncake
 def test_shared_mooncake_trace_loads_3993_requests_with_512_token_prefix_ids():
-    start = time.perf_counter()
-    df = load_trace(MOONCAKE)
-    elapsed = time.perf_counter() - start
+    df = load_trace(MOONCAKE)     # its loading time: benchmarks/trace_load.py
     assert len(df) == 3993 and df.attrs["format"] == "mooncake"
     assert df["arrival_s"].iloc[-1] == pytest.approx(1022.025)
     assert (df["prefix_block_tokens"] == 512).all()
     assert (df["prefix_ids"].map(len) == -(-df["prompt_tokens"] // 512)).all()
-    assert elapsed < 0.5, f"loading took {elapsed:.3f} s"
 
 
 @needs_mooncake
