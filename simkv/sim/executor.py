@@ -24,16 +24,17 @@ class CostModelExecutor:
             self.execute = self._execute_with_terms
         self._predict = cost_model.predict
 
-    def execute(self, plan) -> tuple:
+    def _count_features(self, plan) -> None:
         kv = self.kv
         if kv is not None and kv.num_shared_block_refs:
             annotate_shared_reads(plan, kv, self.running)
+
+    def execute(self, plan) -> tuple:
+        self._count_features(plan)
         return self._predict(plan), None
 
     def _execute_with_terms(self, plan) -> tuple:
-        kv = self.kv
-        if kv is not None and kv.num_shared_block_refs:
-            annotate_shared_reads(plan, kv, self.running)
+        self._count_features(plan)
         cost = self.cost_model.cost(plan)
         self.terms.append(cost.terms)
         return cost.seconds, None
