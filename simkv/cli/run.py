@@ -93,13 +93,15 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     step_terms: bool = typer.Option(False, "--step-terms",
                                     help="Add a term_<name> column per cost term to steps.csv (seconds)."),
+    exact: bool = typer.Option(False, "--exact",
+                               help="Plan and time every step one by one (the same results, slower)."),
 ) -> None:
     """Simulate one scenario: print a summary, write summary.json, requests.csv, steps.csv."""
     from simkv.config.scenario import load_scenario
 
     scn = load_scenario(scenario, _run_overrides(set_, trace, trace_format))
     simulate = require("simkv.sim.engine", "simulate", "run")
-    result = simulate(scn, progress=not as_json, step_terms=step_terms)
+    result = simulate(scn, progress=not as_json, step_terms=step_terms, exact=exact)
     out_dir = out if out is not None else Path("results") / scn.name
     result.write(out_dir)
     if as_json:

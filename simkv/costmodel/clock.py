@@ -37,10 +37,14 @@ def step_flops(plan, counts: tuple) -> float:
     """FLOPs of a step's forward: dense layers on every token, the LM head on sampled rows,
     attention over every query-key pair (prefill causal pairs and decode contexts); `counts`
     is the model's `ModelSpec.forward_flops()`."""
+    return flops_of(plan.num_prefill_tokens + plan.num_decode_tokens,
+                    plan.num_decode_tokens + plan.num_prefill_seqs,
+                    plan.prefill_attention_pairs + plan.decode_context_tokens, counts)
+
+
+def flops_of(tokens: int, sampled: int, pairs: int, counts: tuple) -> float:
+    """`step_flops` from the step's tokens, sampled rows and attention pairs."""
     per_token, per_sample, per_pair = counts
-    tokens = plan.num_prefill_tokens + plan.num_decode_tokens
-    sampled = plan.num_decode_tokens + plan.num_prefill_seqs
-    pairs = plan.prefill_attention_pairs + plan.decode_context_tokens
     return per_token * tokens + per_sample * sampled + per_pair * pairs
 
 
@@ -189,15 +193,42 @@ class ClockedCostModel(TermModel):
         """The profile's terms, the scale's and the clock's. The forward pass is clocked from
         the step's start; the engine's host time, copies and swaps (which run on the host or
         the copy engines) count as the GPU idling after it."""
-        inner, scale = self.inner, self.scale
-        forward_values, around_values = inner.forward_values(plan), inner.around_values(plan)
+        inner = self.inner
+        return self._clocked(inner.forward_values(plan), inner.around_values(plan), plan.now_s,
+                             plan)
+
+    def _clocked(self, forward_values: tuple, around_values: tuple, start_s: float,
+                 plan=None, flops: float = 0.0) -> tuple:
+        """A step's terms from the profile's: the step starts at `start_s`, its FLOPs are
+        `step_flops(plan)` (or `flops` without a plan); the clock state moves over it."""
+        scale = self.scale
         forward, around = math.fsum(forward_values), math.fsum(around_values)
         if forward <= 0:
             return forward_values + around_values + ((scale - 1.0) * around, 0.0)
-        full, settling = self.full_clock(forward, step_flops(plan, self.counts))
-        clocked = self.state.run_step(plan.now_s, full * scale, settling)
+        if plan is not None:
+            flops = step_flops(plan, self.counts)
+        full, settling = self.full_clock(forward, flops)
+        clocked = self.state.run_step(start_s, full * scale, settling)
         return forward_values + around_values + ((scale - 1.0) * (forward + around),
                                                  clocked - forward * scale)
+
+    def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:
+        """Seconds of a decode run's steps (CostModelExecutor.run_seconds): the profile's terms
+        in closed form (ProfiledCostModel.decode_run_values), the clock state stepped through
+        them as through single steps."""
+        out = []
+        steps = self.inner.decode_run_values(run, shared)
+        n, fsum, clocked, counts = run.n, math.fsum, self._clocked, self.counts
+        context0 = run.context_tokens - n
+        for k in range(1, run.max_steps + 1):
+            if now_s >= horizon_s:
+                break
+            forward, around = next(steps)
+            seconds = fsum(clocked(forward, around, now_s, None,
+                                   flops_of(n, n, context0 + n * k, counts)))
+            out.append(seconds)
+            now_s = now_s + seconds
+        return out
 
     def host_seconds(self, plan) -> float:
         return self.inner.host_seconds(plan) * self.scale

@@ -262,6 +262,57 @@ class ProfiledCostModel(TermModel):
         floor = self._h0 + self._h_seq * num_seqs - math.fsum(values) - self._c_eager
         return values + (self._c_eager, max(0.0, floor))
 
+    def decode_run_values(self, run, shared):
+        """(forward_values, around_values) of a decode run's steps k = 1, 2, ... (a generator;
+        simkv.engine.decode_run): the same floats as for each step's plan, with only the decode
+        context, the longest one, the decode tail and the shared reads (`shared(k)`) moving."""
+        n = run.n
+        layout = self.layout
+        graph = n <= self._max_graph
+        rows = self._graph_rows[n] if graph else n
+        linear = self._linear_cache.get(rows)
+        if linear is None:
+            linear = self._linear_cache[rows] = self._linear(rows)
+        per_token = self.decode_token_seconds(n)
+        first_share, further_share = self._shared_saving_first, self._shared_saving_further
+        tails = layout.decode_run_tail(run.starts, graph, self.block_size) if self._a_long \
+            else None
+        a_long = self._a_long
+        zeros = (self._a_pf * 0, self._a_ctx * 0, 0.0)
+        per_seq = (self._c_seq * n, 0.0, 0.0)
+        around = self.around_values(run.plan)      # the same n, no prefill, copy or swap
+        context0 = run.context_tokens - n
+        k = 1
+        while True:
+            context = context0 + n * k
+            decode = per_token * context
+            saving = 0.0
+            repeats, first = shared(k)
+            if repeats:
+                saving = -per_token * (first_share * first + further_share * (repeats - first))
+            tail = a_long * next(tails) if tails is not None else 0.0
+            values = (linear, decode, saving, tail) + zeros + per_seq
+            if graph:
+                yield values + (0.0, 0.0), around
+            else:
+                floor = self._h0 + self._h_seq * n - math.fsum(values) - self._c_eager
+                yield values + (self._c_eager, max(0.0, floor)), around
+            k += 1
+
+    def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:
+        """Seconds of a decode run's steps (CostModelExecutor.run_seconds), in closed form."""
+        out = []
+        steps = self.decode_run_values(run, shared)
+        fsum = math.fsum
+        for _ in range(run.max_steps):
+            if now_s >= horizon_s:
+                break
+            forward, around = next(steps)
+            seconds = fsum(forward + around)
+            out.append(seconds)
+            now_s = now_s + seconds
+        return out
+
     def term_values(self, plan) -> tuple:
         return self.forward_values(plan) + self.around_values(plan)
 

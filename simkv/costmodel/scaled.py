@@ -23,6 +23,8 @@ class ScaledCostModel(TermModel):
     with a clock state takes the scale itself (`ClockedCostModel(scale=...)`): scaled from
     outside, its clock would see the stretch of each step as idle time."""
 
+    decode_run_seconds = None     # decode runs are timed step by step (not the inner model's)
+
     def __init__(self, inner, scale: float):
         self.inner = inner
         self.scale = float(scale)

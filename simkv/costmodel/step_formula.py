@@ -60,6 +60,19 @@ def token_knots_for(max_tokens: int) -> list:
 _num_splits = functools.lru_cache(maxsize=4096)(decode_num_splits)   # called every step
 
 
+def listed_tail(programs: list, groups: int) -> float:
+    """Tokens by which the last of `programs` (tokens each, in launch order) ends after an even
+    share of them over `groups` slots, each program starting on the slot that frees first."""
+    share = sum(programs) / groups
+    if len(programs) <= groups:          # one wave: every program starts at once
+        return max(0.0, max(programs) - share)
+    free = programs[:groups]              # the group slots' finishing times
+    heapq.heapify(free)
+    for program in programs[groups:]:
+        heapq.heapreplace(free, free[0] + program)
+    return max(0.0, max(free) - share)
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """How the engine lays a step out, beyond the plan's features: token knots of T_lin, the
@@ -139,6 +152,17 @@ class StepLayout:
             width = -(-max_context // (16 * block_size)) * 16 * block_size
         return _num_splits(batch, self.num_kv_heads, width, self.decode_tile, self.sm_count)
 
+    def tail_grouping(self, num_decode_seqs: int, max_context: int, graph: bool,
+                      block_size: int, mixed_tokens: int = 0) -> tuple:
+        """(span, tile, groups) of the in-order decode tail: a sequence of c context tokens
+        runs programs of (c + span - 1) // span * tile tokens (`program_tokens`), its group
+        of kv_heads x splits programs taking one of `groups` group slots."""
+        splits = self.decode_splits(num_decode_seqs, max_context, graph, block_size,
+                                    mixed_tokens)
+        groups = max(1, round(self.decode_slots_per_sm * self.sm_count
+                              / (self.num_kv_heads * splits)))
+        return self.decode_tile * splits, self.decode_tile, groups
+
     def decode_tail_tokens(self, num_decode_seqs: int, max_context: int, context_tokens: int,
                            graph: bool, block_size: int, mixed_tokens: int = 0,
                            contexts=None) -> float:
@@ -160,27 +184,42 @@ class StepLayout:
         if (self.decode_tail_in_order and contexts is not None and num_decode_seqs
                 and len(contexts) == num_decode_seqs and self.decode_slots_per_sm
                 and self.sm_count):
-            splits = self.decode_splits(num_decode_seqs, max_context, graph, block_size,
-                                        mixed_tokens)
-            groups = max(1, round(self.decode_slots_per_sm * self.sm_count
-                                  / (self.num_kv_heads * splits)))
-            tile = self.decode_tile
-            span = tile * splits                  # program_tokens, inlined on the hot path
-            programs = [(c + span - 1) // span * tile for c in contexts]
-            share = sum(programs) / groups
-            if len(programs) <= groups:          # one wave: every program starts at once
-                return max(0.0, max(programs) - share)
-            free = programs[:groups]              # the group slots' finishing times
-            heapq.heapify(free)
-            for program in programs[groups:]:
-                heapq.heapreplace(free, free[0] + program)
-            return max(0.0, max(free) - share)
+            span, tile, groups = self.tail_grouping(num_decode_seqs, max_context, graph,
+                                                    block_size, mixed_tokens)
+            return listed_tail([(c + span - 1) // span * tile for c in contexts], groups)
         longest = self.longest_program_tokens(num_decode_seqs, max_context, graph, block_size,
                                               mixed_tokens)
         if not longest or not self.decode_slots_per_sm or not self.sm_count:
             return float(longest)
         share = self.num_kv_heads * context_tokens / (self.decode_slots_per_sm * self.sm_count)
         return max(0.0, longest - share)
+
+    def decode_run_tail(self, starts: list, graph: bool, block_size: int):
+        """`decode_tail_tokens` of the steps k = 1, 2, ... of a decode run (a generator): a
+        batch whose sequence i has c_i + k context tokens in step k (`starts`: the c_i, in
+        batch order). In order, the programs grow only where a context passes a multiple of
+        the span, and the tail is taken again only there."""
+        n = len(starts)
+        longest0, context0 = max(starts), sum(starts)
+        k = 1
+        if not (self.decode_tail_in_order and self.decode_slots_per_sm and self.sm_count):
+            while True:
+                yield self.decode_tail_tokens(n, longest0 + k, context0 + n * k, graph,
+                                              block_size)
+                k += 1
+        grouping, value, valid_until, residues = None, 0.0, 0, ()
+        while True:
+            g = self.tail_grouping(n, longest0 + k, graph, block_size)
+            if g != grouping:
+                grouping, valid_until = g, k
+                residues = {c % g[0] for c in starts}
+            if k >= valid_until:
+                span, tile, groups = g
+                value = listed_tail([(c + k + span - 1) // span * tile for c in starts], groups)
+                # the next step where a context becomes q x span + 1 (its programs grow)
+                valid_until = k + min(((1 - r - k) % span) or span for r in residues)
+            yield value
+            k += 1
 
     def prefill_tail_tokens(self, chunks) -> float:
         """Key tokens by which the prefill kernel's busiest program reads beyond an even share

@@ -10,7 +10,14 @@ it needs from the clock and the driver sends back the time:
   exist;
 - `NOW`: the driver sends the current time and lets no time pass;
 - `IDLE`: nothing can run; the driver waits for the next arrival or cancellation and sends the
-  time then, or sends None when no more will come (the loop ends).
+  time then, or sends None when no more will come (the loop ends);
+- `HORIZON` (only with `decode_runs`): the driver sends the time of the next arrival or
+  cancellation it knows of (inf: none) and lets no time pass.
+
+With `decode_runs` and an executor that times decode runs (`run_seconds`, the simulator's), a
+step that only decoded the batch is followed by its decode run (simkv.engine.decode_run): the
+steps up to the horizon, timed and applied together, and one `seconds` for all of them, the
+sum the driver's clock would have added up step by step.
 
 The driver owns arrivals and cancellations (it calls `scheduler.add_request` / `cancel` at their
 times), so N replicas are N loops on one clock, each with its own scheduler, executor and
@@ -18,10 +25,14 @@ recorder.
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol
+
+from simkv.engine.decode_run import decode_run
 
 NOW = "now"
 IDLE = "idle"
+HORIZON = "horizon"
 REPLANS = 3        # plans in a row that only preempt or cancel before the loop gives up
 
 
@@ -33,13 +44,16 @@ class Executor(Protocol):
         """The scheduler has finished the step (the GPU poisons freed blocks in debug runs)."""
 
 
-def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_step=None):
+def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_step=None,
+          decode_runs: bool = False):
     """Serve until the driver says nothing more will arrive (module doc for the protocol).
 
     `recorder` observes each plan before it runs and records it after (start, duration);
-    `check_integrity` runs the KV manager's integrity check after every step; `on_step(plan,
-    end_s)` is called after each step."""
+    `check_integrity` runs the KV manager's integrity check after every step (after every
+    decode run); `on_step(plan, end_s)` is called after each step (each decode run);
+    `decode_runs` takes decode runs together where the executor can time them."""
     kv = scheduler.kv
+    runs = getattr(executor, "run_seconds", None) if decode_runs else None
     observe, record = recorder.observe, recorder.record_step
     execute, step_done = executor.execute, executor.step_done
     now = yield NOW
@@ -69,3 +83,47 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
         if on_step is not None:
             on_step(plan, end)
         now = end
+        run = decode_run(scheduler, plan) if runs is not None else None
+        if run is not None:
+            seconds = runs(run, now, (yield HORIZON))
+            if seconds:
+                ends = [now]
+                for s in seconds:           # as the driver's clock adds them, step by step
+                    ends.append(ends[-1] + s)
+                run.commit(ends, recorder)
+                if check_integrity:
+                    kv.check_integrity()
+                for delay in hops(ends):
+                    end = yield delay
+                if end != ends[-1]:
+                    raise RuntimeError(f"decode run: the clock reads {end!r}, not {ends[-1]!r}")
+                if on_step is not None:
+                    on_step(plan, end)
+                now = end
+
+
+def hops(ends: list) -> list:
+    """Delays that take a clock at ends[0] to ends[-1] exactly, through points of `ends`, when
+    each is added to the clock in floating point: mostly one, ends[-1] - ends[0] give or take
+    an ulp; where no delay lands there (the sum's rounding can step over a value), a hop to
+    an earlier point first (from ends[j - 1], the step's own seconds reach ends[j])."""
+    out, i, last = [], 0, len(ends) - 1
+    while i < last:
+        for j in range(last, i, -1):
+            delay = delay_to(ends[i], ends[j])
+            if delay is not None:
+                out.append(delay)
+                i = j
+                break
+        else:
+            raise RuntimeError(f"decode run: no delay from {ends[i]!r} to {ends[i + 1]!r}")
+    return out
+
+
+def delay_to(now: float, target: float) -> float | None:
+    """A delay d >= 0 with `now + d == target` in floating point, or None."""
+    d = target - now
+    for candidate in (d, math.nextafter(d, math.inf), math.nextafter(d, -math.inf)):
+        if candidate >= 0 and now + candidate == target:
+            return candidate
+    return None

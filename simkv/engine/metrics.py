@@ -99,6 +99,51 @@ class MetricsRecorder:
         if waiting > self.waiting_peak:
             self.waiting_peak = waiting
 
+    def record_decode_run(self, plan, n: int, ends: list, durations: list, used_rows: list,
+                          waste_rows: list, table_steps: dict) -> None:
+        """Record the steps of a decode run after `plan` (simkv.engine.decode_run): step k ran
+        from ends[k - 1] for durations[k - 1] s with used_rows[k - 1] blocks in use and
+        waste_rows[k - 1] slots not holding a token; the n sequences' tables spent
+        table_steps[length] sequence-steps at each length. The same rows and sums as
+        observing and recording each step."""
+        m = len(durations)
+        cols = self.cols
+        first = self.num_steps + 1
+        self.num_steps += m
+        cols["step"].extend(array("d", range(first, first + m)))
+        cols["start_s"].extend(array("d", ends[:m]))
+        cols["duration_s"].extend(array("d", durations))
+        for name, value in (("num_prefill_tokens", 0), ("num_decode_tokens", n),
+                            ("num_running", n), ("num_waiting", plan.num_waiting),
+                            ("preempted", 0)):
+            cols[name].extend(array("d", (value,)) * m)
+        cols["kv_blocks_used"].extend(array("d", used_rows))
+        cols["kv_blocks_free"].extend(array("d", [self.num_blocks - u for u in used_rows]))
+        busy, used_s, frag, running_s = self.busy_s, self.used_block_s, self.frag_s, \
+            self.running_seq_s
+        scale = self.block_size
+        for d, used, waste in zip(durations, used_rows, waste_rows):
+            busy += d
+            used_s += used * d
+            if used:
+                frag += d * waste / (used * scale)
+            running_s += n * d
+        self.busy_s, self.used_block_s, self.frag_s, self.running_seq_s = busy, used_s, frag, \
+            running_s
+        peak = max(used_rows)
+        if peak > self.used_peak:
+            self.used_peak = peak
+        if n > self.running_peak:
+            self.running_peak = n
+        if plan.num_waiting > self.waiting_peak:
+            self.waiting_peak = plan.num_waiting
+        hist = self.blocks_per_seq_hist
+        top = max(table_steps)
+        if top >= len(hist):
+            hist.extend([0] * (top + 1 - len(hist)))
+        for length, count in table_steps.items():
+            hist[length] += count
+
     def steps_frame(self) -> pd.DataFrame:
         df = pd.DataFrame({name: np.frombuffer(col, dtype=np.float64) if len(col) else
                            np.zeros(0) for name, col in self.cols.items()})

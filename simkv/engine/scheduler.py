@@ -83,6 +83,10 @@ class Scheduler:
         """Cancel a request; its resources are freed at the next step boundary."""
         self._cancel_ids.append(request_id)
 
+    def has_pending_events(self) -> bool:
+        """Cancellations or rejections that the next step applies."""
+        return bool(self._cancel_ids) or bool(self._rejected)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._cancel_ids) or bool(self._rejected)
 

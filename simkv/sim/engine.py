@@ -16,7 +16,7 @@ import simpy
 
 from simkv.costmodel import load_cost_model
 from simkv.engine.build import build_scheduler
-from simkv.engine.loop import IDLE, NOW, serve
+from simkv.engine.loop import HORIZON, IDLE, NOW, serve
 from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.engine.results import write_results
 from simkv.sim.executor import CostModelExecutor
@@ -41,7 +41,9 @@ class Simulation:
 
     def __init__(self, scenario, trace_df: pd.DataFrame | None = None,
                  check_integrity: bool = False, progress: bool = False, cost_model=None,
-                 step_terms: bool = False):
+                 step_terms: bool = False, exact: bool = False):
+        """`exact`: every step planned and timed one by one (no decode runs, simkv.engine.
+        decode_run); the results are the same, byte for byte."""
         self.scenario = scenario
         self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
         self.scheduler, self.sizing = build_scheduler(scenario)
@@ -50,6 +52,7 @@ class Simulation:
                                         scenario.cache.block_size)
         self.check_integrity = check_integrity
         self.progress = progress
+        self.decode_runs = not exact and not step_terms
         self.executor = CostModelExecutor(self.cost_model, self.scheduler.kv,
                                           self.scheduler.running, step_terms)
         self.env = simpy.Environment()
@@ -86,6 +89,8 @@ class Simulation:
         while True:
             if command is NOW:
                 reply = env.now
+            elif command is HORIZON:      # the next arrival or cancellation timer, or inf
+                reply = env.peek()
             elif command is IDLE:
                 if not self.scheduler.has_unfinished() and self._arrivals_done:
                     self._served_s = env.now
@@ -109,7 +114,8 @@ class Simulation:
         progress_ctx = _progress_bar(self.progress, horizon, self.scenario.name)
         with progress_ctx as on_progress:
             loop = serve(self.scheduler, executor, self.recorder,
-                         check_integrity=self.check_integrity, on_step=_every(4096, on_progress))
+                         check_integrity=self.check_integrity, on_step=_every(4096, on_progress),
+                         decode_runs=self.decode_runs)
             self.env.process(self._drive(loop))
             self.env.run()
         # The run ends when the last request is final, as the engine's does: a cancellation
@@ -180,13 +186,16 @@ def _progress_bar(enabled: bool, horizon_s: float, label: str):
 
 
 def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity: bool = False,
-             progress: bool = False, cost_model=None, step_terms: bool = False) -> SimResult:
+             progress: bool = False, cost_model=None, step_terms: bool = False,
+             exact: bool = False) -> SimResult:
     """Simulate a scenario; returns summary (dict), requests and steps (DataFrames).
 
     `trace_df` replaces the scenario's workload; `cost_model` (anything with `predict(plan) ->
     seconds` and a `name`; with `reset()` if it keeps state across steps, called as the run
     starts) replaces the scenario's; `check_integrity` runs the KV manager's integrity check
     after every step (slow on big pools); `step_terms` adds a `term_<name>` column per cost term
-    to the steps frame (seconds; they sum to duration_s but for the last bit)."""
+    to the steps frame (seconds; they sum to duration_s but for the last bit); `exact` plans and
+    times every step one by one (the same results; without it, steps that only decode the same
+    batch are taken together: simkv.engine.decode_run)."""
     return Simulation(scenario, trace_df, check_integrity, progress, cost_model,
-                      step_terms).run()
+                      step_terms, exact).run()

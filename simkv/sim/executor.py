@@ -1,7 +1,7 @@
 """The simulator's executor: a step takes the seconds the replica's cost model predicts."""
 from __future__ import annotations
 
-from simkv.costmodel.features import annotate_shared_reads
+from simkv.costmodel.features import annotate_shared_reads, decode_run_shared_reads
 
 
 class CostModelExecutor:
@@ -38,6 +38,28 @@ class CostModelExecutor:
         cost = self.cost_model.cost(plan)
         self.terms.append(cost.terms)
         return cost.seconds, None
+
+    def run_seconds(self, run, now_s: float, horizon_s: float) -> list:
+        """Seconds of a decode run's steps 1, 2, ... (simkv.engine.decode_run), each starting
+        where the one before ended, while a step starts before `horizon_s` (the next arrival or
+        cancellation) and for at most `run.max_steps`: what `execute` predicts for each step's
+        plan, the model's state advanced over them. A model with `decode_run_seconds` times
+        them in closed form; any other one step by step, from `run.plan_at`."""
+        shared = decode_run_shared_reads(run, self.kv)
+        fast = getattr(self.cost_model, "decode_run_seconds", None)
+        if fast is not None:
+            return fast(run, shared, now_s, horizon_s)
+        out = []
+        predict = self._predict
+        for k in range(1, run.max_steps + 1):
+            if now_s >= horizon_s:
+                break
+            plan = run.plan_at(k, now_s)
+            plan.decode_shared_context_tokens, plan.decode_shared_block_tokens = shared(k)
+            seconds = predict(plan)
+            out.append(seconds)
+            now_s = now_s + seconds
+        return out
 
     def step_done(self, plan) -> None:
         """Nothing to do after a simulated step."""

@@ -35,7 +35,7 @@ def explain_step(scenario, step: int) -> dict:
     the step's predicted time. The run stops there (the clock state needs the steps before)."""
     if step < 1:
         raise InputError(f"--step: must be >= 1, got {step}")
-    sim = Simulation(scenario)
+    sim = Simulation(scenario, exact=True)      # every step through execute
     executor = sim.executor
     predict = executor.execute
     found, executed = {}, [0]

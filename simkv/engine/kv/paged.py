@@ -110,6 +110,16 @@ class PagedKVCacheManager:
     def is_free(self, block: int) -> bool:
         return block in self.pool.free_queue
 
+    def appends_in_place(self, seq: Sequence) -> bool:
+        """Whether the sequence's next decode tokens land in its own blocks: its table holds
+        exactly the blocks of its computed tokens and a partial tail block is its own (a shared
+        one is copied first). A decode run (simkv.engine.decode_run) needs it of every
+        sequence."""
+        computed, table = seq.num_computed_tokens, seq.block_table
+        if len(table) != -(-computed // self.block_size):
+            return False
+        return not computed % self.block_size or self.pool.ref_cnt[table[-1]] == 1
+
     def blocks_needed(self, num_tokens: int, n: int = 1, prompt_tokens: int = 0) -> int:
         """Blocks a request needs at its longest: n samples share the prompt's full blocks."""
         per_seq = -(-num_tokens // self.block_size)
