@@ -1,6 +1,7 @@
 """`simkv validate`: the simulator against the real engine on the same requests (simkv.validate).
 
     simkv validate SCENARIO [--device D] [--out DIR] [--measured DIR]   measure, then compare
+    simkv validate SCENARIO --engine vllm [--data DIR] [--out DIR]  measure on vLLM (GPU side)
     simkv validate prepare SCENARIO... [--data DIR]           trace windows for the GPU machine
     simkv validate measure SCENARIO... [--data DIR] [--out DIR]     GPU side (no simpy)
     simkv validate compare SCENARIO --measured DIR [--out JSON]     CPU side
@@ -30,12 +31,43 @@ def validate_run(
                                             help="Compare a saved measurement (CPU side only)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Folder of prepared trace windows."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when an error bound fails."),
+    engine: str = typer.Option("simkv", "--engine",
+                               help="simkv (the project's engine) | vllm (a vLLM installed "
+                                    "here serves the requests; measures only, into "
+                                    "OUT/<name>/, default OUT results/vllm)"),
 ) -> int:
     """Replay a scenario on the real engine, simulate it, and write the errors per metric."""
+    if engine == "vllm":
+        return _validate_on_vllm(scenario, out, data)
+    if engine != "simkv":
+        from simkv.errors import InputError
+        raise InputError(f"--engine: {engine!r} is not one of simkv, vllm")
     check_device(device)
     validate_command = require("simkv.validate", "validate_command", "validate")
     return validate_command(scenario, device=device, out_dir=out, measured_dir=measured,
                             data_dir=data, strict=strict)
+
+
+def _validate_on_vllm(scenario: Path, out: Optional[Path], data: Optional[Path]) -> int:
+    """vLLM serves the scenario saturated, then in real time (simkv.gpu.vllm.driver)."""
+    import importlib.util
+    import sys
+
+    from simkv.errors import InputError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise InputError("--engine vllm: vLLM is not installed here (it needs a GPU machine; "
+                         "scripts/vllm_device/README.md says how to bring it to the H200)")
+    if not scenario.is_file():
+        raise InputError(f"{scenario}: no such scenario file")
+    measure_vllm = require("simkv.gpu.vllm.driver", "measure_vllm", "validate --engine vllm")
+    from simkv.validation.data import load_validation_scenario
+    name = load_validation_scenario(scenario, data).name
+    folder = measure_vllm(scenario, (out or Path("results/vllm")) / name, data_dir=data)
+    print(f"[validate] vLLM measured {name} -> {folder}; compare on a CPU with simpy: "
+          f"simkv validate compare {scenario} --measured {folder} --out RESULT.json",
+          file=sys.stderr)
+    return 0
 
 
 @validate_app.command("prepare")
