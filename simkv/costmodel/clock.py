@@ -117,13 +117,16 @@ class ClockState:
         self.mhz = self.level = self.model.max_mhz
         self.free_at_s = None         # when the last step ended
 
-    def _advance(self, target_mhz: float, dt: float) -> None:
-        m = self.model
+    def _decays(self, dt: float) -> tuple:
+        """(window, down, up) decay factors over `dt` seconds."""
         if dt == self.SLICE_S:
-            window, down, up = self._decay_window, self._decay_down, self._decay_up
-        else:
-            window = math.exp(-dt / m.tau_window_s) if m.tau_window_s else 0.0
-            down, up = math.exp(-dt / m.tau_down_s), math.exp(-dt / m.tau_up_s)
+            return self._decay_window, self._decay_down, self._decay_up
+        m = self.model
+        window = math.exp(-dt / m.tau_window_s) if m.tau_window_s else 0.0
+        return window, math.exp(-dt / m.tau_down_s), math.exp(-dt / m.tau_up_s)
+
+    def _advance(self, target_mhz: float, dt: float) -> None:
+        window, down, up = self._decays(dt)
         self.level = target_mhz + (self.level - target_mhz) * window
         decay = down if self.level < self.mhz else up
         self.mhz = self.level + (self.mhz - self.level) * decay
@@ -134,9 +137,13 @@ class ClockState:
             self.mhz = self.level = self.model.max_mhz
             return
         top, dt = self.model.max_mhz, self.SLICE_S
-        while seconds > dt:
-            self._advance(top, dt)
+        window, down, up = self._decay_window, self._decay_down, self._decay_up
+        level, mhz = self.level, self.mhz
+        while seconds > dt:             # _advance(top, dt), inlined: the simulator's hot path
+            level = top + (level - top) * window
+            mhz = level + (mhz - level) * (down if level < mhz else up)
             seconds -= dt
+        self.level, self.mhz = level, mhz
         if seconds > 0:
             self._advance(top, seconds)
 
@@ -145,18 +152,25 @@ class ClockState:
         pulls the clock toward `target_mhz`; the state moves to the step's end."""
         if self.free_at_s is not None and start_s > self.free_at_s:
             self.idle(start_s - self.free_at_s)
-        slowdown, dt = self.model.slowdown, self.SLICE_S
+        m, dt = self.model, self.SLICE_S
+        top, sensitivity = m.max_mhz, m.sensitivity
+        window, down, up = self._decay_window, self._decay_down, self._decay_up
+        level, mhz = self.level, self.mhz
         work, seconds = full_s, 0.0
-        while work > 0:
-            rate = 1.0 / slowdown(self.mhz)      # seconds of full-clock work per second
+        while work > 0:                 # slowdown() and _advance(), inlined
+            rate = 1.0 / (1.0 + sensitivity * (top / mhz - 1.0))
             if work <= rate * dt:
                 step = work / rate
+                self.level, self.mhz = level, mhz
                 self._advance(target_mhz, step)
                 seconds += step
                 break
-            self._advance(target_mhz, dt)
+            level = target_mhz + (level - target_mhz) * window
+            mhz = level + (mhz - level) * (down if level < mhz else up)
             work -= rate * dt
             seconds += dt
+        else:
+            self.level, self.mhz = level, mhz
         self.free_at_s = start_s + seconds
         return seconds
 
@@ -215,19 +229,83 @@ class ClockedCostModel(TermModel):
     def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:
         """Seconds of a decode run's steps (CostModelExecutor.run_seconds): the profile's terms
         in closed form (ProfiledCostModel.decode_run_values), the clock state stepped through
-        them as through single steps."""
+        them as through single steps. `_clocked`, `full_clock`, `ClockState.idle` and
+        `.run_step` are inlined here, the same operations in the same order (the simulator
+        spends most of its steps here; tests/test_decode_run.py compares the bytes)."""
         out = []
         steps = self.inner.decode_run_values(run, shared)
-        n, fsum, clocked, counts = run.n, math.fsum, self._clocked, self.counts
+        n, fsum, exp = run.n, math.fsum, math.exp
+        per_token, per_sample, per_pair = self.counts
         context0 = run.context_tokens - n
+        scale = self.scale
+        c = self.clock
+        top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
+                                                    c.mhz_per_tflops, c.sensitivity)
+        tau_window, tau_down, tau_up = c.tau_window_s, c.tau_down_s, c.tau_up_s
+        state = self.state
+        dt = state.SLICE_S
+        window, down, up = state._decay_window, state._decay_down, state._decay_up
+        settled_after = state._settled_after_s
+        level, mhz, free_at = state.level, state.mhz, state.free_at_s
+        around = None
         for k in range(1, run.max_steps + 1):
             if now_s >= horizon_s:
                 break
-            forward, around = next(steps)
-            seconds = fsum(clocked(forward, around, now_s, None,
-                                   flops_of(n, n, context0 + n * k, counts)))
+            forward_values, around_values = next(steps)
+            forward = fsum(forward_values)
+            if around is None:
+                around = fsum(around_values)      # the same terms in every step of a run
+            if forward <= 0:
+                out.append(fsum(forward_values + around_values + ((scale - 1.0) * around, 0.0)))
+                now_s = now_s + out[-1]
+                continue
+            flops = per_token * n + per_sample * n + per_pair * (context0 + n * k)
+            full = forward                          # full_clock
+            for _ in range(2):
+                tflops = flops / full / 1e12
+                settling = min(top, max(low, top - per_tflops * max(0.0, tflops - knee)))
+                full = forward / (1.0 + sensitivity * (top / settling - 1.0))
+            if free_at is not None and now_s > free_at:     # ClockState.idle
+                gap = now_s - free_at
+                if gap >= settled_after:
+                    mhz = level = top
+                else:
+                    while gap > dt:
+                        level = top + (level - top) * window
+                        mhz = level + (mhz - level) * (down if level < mhz else up)
+                        gap -= dt
+                    if gap > 0:
+                        if gap == dt:
+                            w, d, u = window, down, up
+                        else:
+                            w = exp(-gap / tau_window) if tau_window else 0.0
+                            d, u = exp(-gap / tau_down), exp(-gap / tau_up)
+                        level = top + (level - top) * w
+                        mhz = level + (mhz - level) * (d if level < mhz else u)
+            work, clocked = full * scale, 0.0       # ClockState.run_step
+            while work > 0:
+                rate = 1.0 / (1.0 + sensitivity * (top / mhz - 1.0))
+                if work <= rate * dt:
+                    piece = work / rate
+                    if piece == dt:
+                        w, d, u = window, down, up
+                    else:
+                        w = exp(-piece / tau_window) if tau_window else 0.0
+                        d, u = exp(-piece / tau_down), exp(-piece / tau_up)
+                    level = settling + (level - settling) * w
+                    mhz = level + (mhz - level) * (d if level < mhz else u)
+                    clocked += piece
+                    break
+                level = settling + (level - settling) * window
+                mhz = level + (mhz - level) * (down if level < mhz else up)
+                work -= rate * dt
+                clocked += dt
+            free_at = now_s + clocked
+            seconds = fsum(forward_values + around_values
+                           + ((scale - 1.0) * (forward + around), clocked - forward * scale))
             out.append(seconds)
             now_s = now_s + seconds
+        state.level, state.mhz, state.free_at_s = level, mhz, free_at
         return out
 
     def host_seconds(self, plan) -> float:
@@ -236,11 +314,14 @@ class ClockedCostModel(TermModel):
     def full_clock(self, profiled_s: float, flops: float) -> tuple:
         """(full-clock seconds, settling MHz) of a composition the profile timed at its settling
         clock in `profiled_s` (the settling clock follows the full-clock FLOP rate: twice)."""
-        clock = self.clock
+        c = self.clock       # ClockModel.settling_mhz and .slowdown, inlined (every step)
+        top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
+                                                    c.mhz_per_tflops, c.sensitivity)
         full = profiled_s
         for _ in range(2):
-            settling = clock.settling_mhz(flops / full / 1e12)
-            full = profiled_s / clock.slowdown(settling)
+            tflops = flops / full / 1e12
+            settling = min(top, max(low, top - per_tflops * max(0.0, tflops - knee)))
+            full = profiled_s / (1.0 + sensitivity * (top / settling - 1.0))
         return full, settling
 
     def describe(self) -> dict:

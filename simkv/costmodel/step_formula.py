@@ -208,8 +208,9 @@ class StepLayout:
                                               block_size)
                 k += 1
         grouping, value, valid_until, residues = None, 0.0, 0, ()
-        while True:
-            g = self.tail_grouping(n, longest0 + k, graph, block_size)
+        fixed = self.tail_grouping(n, longest0 + 1, graph, block_size) if graph else None
+        while True:         # a graphed batch's split rule does not read its longest context
+            g = fixed or self.tail_grouping(n, longest0 + k, graph, block_size)
             if g != grouping:
                 grouping, valid_until = g, k
                 residues = {c % g[0] for c in starts}

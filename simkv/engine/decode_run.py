@@ -6,7 +6,8 @@ as long as nothing changes the batch: until an arrival or a cancellation (the dr
 horizon), a sequence's last token, or the pool running out of free blocks. Such a run's steps
 are known before they are taken: sequence i of the batch computes token c_i + k - 1 in step k
 (c_i: its computed tokens as the run starts), takes a block where that token opens one and
-registers a block where it fills one. The serving loop (simkv.engine.loop) asks for a run after
+registers a block where it fills one (the KV manager's `append_decode_tokens`, as `m` steps of
+`allocate_slots(seq, 1)` would). The serving loop (simkv.engine.loop) asks for a run after
 each step; the executor times its steps (a cost model can do so in closed form), and `commit`
 applies them to the scheduler, the KV manager and the recorder: the same state, rows and
 floats as taking the steps one by one (tests/test_decode_run.py).
@@ -14,9 +15,7 @@ floats as taking the steps one by one (tests/test_decode_run.py).
 Why the batch does not change inside a run: what the step before left waiting stays waiting.
 The head of the queue was refused a seat, the token budget or blocks, and none of those comes
 back inside a run (seats and budget are constant, free blocks only fall, a decode never fills
-a block another request's prompt could hit); swapped requests likewise. The KV manager's
-`allocate_slots(seq, 1)` changes nothing and returns True except at the steps named above, so
-a run calls it only there, in the order the steps would.
+a block another request's prompt could hit); swapped requests likewise.
 """
 from __future__ import annotations
 
@@ -97,24 +96,7 @@ class DecodeRun:
         seqs, starts, n = self.seqs, self.starts, self.n
         used0, computed0 = kv.num_used_blocks, sum(starts)
         tables0 = [len(seq.block_table) for seq in seqs]
-        # allocate_slots where a token opens or fills a block, in step order, then seq order
-        events = []
-        for i, c in enumerate(starts):
-            for first in {(-c) % bs + 1, (-c - 1) % bs + 1}:     # opens, fills
-                events.extend((k, i) for k in range(first, m + 1, bs))
-        events.sort()
-        allocate = kv.allocate_slots
-        opened = array("l", bytes(8 * (m + 1)))      # blocks taken in step k
-        for k, i in events:
-            seq = seqs[i]
-            seq.num_computed_tokens = starts[i] + k - 1
-            before = len(seq.block_table)
-            if not allocate(seq, 1):
-                raise AssertionError(f"decode run: step {k} of sequence {seq.seq_id} found "
-                                     "no block")
-            opened[k] += len(seq.block_table) - before
-        if kv.copies:
-            raise AssertionError("decode run: a copy-on-write inside a run")
+        opened = kv.append_decode_tokens(seqs, starts, m)
         # the sequences after m more tokens each
         end_s = ends[m]
         for seq, c in zip(seqs, starts):

@@ -27,19 +27,21 @@ class BlockPool:
 
     def take(self, count: int) -> list:
         """Pop `count` blocks from the front of the free queue (caller checked there are enough)."""
-        free_queue = self.free_queue
-        ref_cnt = self.ref_cnt
-        blocks = []
-        for _ in range(count):
-            block, _ = free_queue.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None:
-                self.num_cached_free -= 1
-                self.num_evictions += 1
-                del self.cached[h]
-                self.block_hash[block] = None
+        popitem = self.free_queue.popitem
+        blocks = [popitem(False)[0] for _ in range(count)]
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        if self.num_cached_free:
+            cached, evicted = self.cached, 0
+            for block in blocks:
+                h = block_hash[block]
+                if h is not None:
+                    evicted += 1
+                    del cached[h]
+                    block_hash[block] = None
+            self.num_cached_free -= evicted
+            self.num_evictions += evicted
+        for block in blocks:
             ref_cnt[block] = 1
-            blocks.append(block)
         return blocks
 
     def touch(self, blocks) -> None:
@@ -57,18 +59,22 @@ class BlockPool:
 
     def release(self, blocks_in_eviction_order) -> None:
         """Drop one reference on each block; those that reach zero join the back of the queue."""
-        ref_cnt = self.ref_cnt
-        free_queue = self.free_queue
+        ref_cnt, free_queue, block_hash = self.ref_cnt, self.free_queue, self.block_hash
+        shared_refs = shared_blocks = cached_free = 0
         for block in blocks_in_eviction_order:
-            ref_cnt[block] -= 1
-            if ref_cnt[block] > 0:
-                self.num_shared_refs -= 1
-                if ref_cnt[block] == 1:
-                    self.num_shared_blocks -= 1
-            elif ref_cnt[block] == 0:
+            refs = ref_cnt[block] - 1
+            ref_cnt[block] = refs
+            if refs > 0:
+                shared_refs += 1
+                if refs == 1:
+                    shared_blocks += 1
+            elif refs == 0:
                 free_queue[block] = None
-                if self.block_hash[block] is not None:
-                    self.num_cached_free += 1
+                if block_hash[block] is not None:
+                    cached_free += 1
+        self.num_shared_refs -= shared_refs
+        self.num_shared_blocks -= shared_blocks
+        self.num_cached_free += cached_free
 
     def add_refs(self, block: int, extra: int) -> None:
         """`extra` more references on an in-use block (tables swapped in together)."""

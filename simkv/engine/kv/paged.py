@@ -112,13 +112,40 @@ class PagedKVCacheManager:
 
     def appends_in_place(self, seq: Sequence) -> bool:
         """Whether the sequence's next decode tokens land in its own blocks: its table holds
-        exactly the blocks of its computed tokens and a partial tail block is its own (a shared
-        one is copied first). A decode run (simkv.engine.decode_run) needs it of every
-        sequence."""
-        computed, table = seq.num_computed_tokens, seq.block_table
-        if len(table) != -(-computed // self.block_size):
+        exactly the blocks of its computed tokens, a partial tail block is its own (a shared
+        one is copied first) and, with prefix caching, its full blocks are registered. A
+        decode run (simkv.engine.decode_run) needs it of every sequence."""
+        computed, table, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        if len(table) != -(-computed // bs):
             return False
-        return not computed % self.block_size or self.pool.ref_cnt[table[-1]] == 1
+        if self.enable_prefix_caching and seq.num_cached_blocks != computed // bs:
+            return False
+        return not computed % bs or self.pool.ref_cnt[table[-1]] == 1
+
+    def append_decode_tokens(self, seqs: list, starts: list, steps: int) -> list:
+        """Slots for `steps` more tokens of each sequence, as `steps` decode steps of
+        `allocate_slots(seq, 1)` in `seqs` order would give them (each `appends_in_place`,
+        sequence i computing token starts[i] + k - 1 in step k, and enough free blocks):
+        a block where a token opens one, taken from the free queue in step order and then
+        sequence order; the blocks that fill registered (their hashes are the sequences' own,
+        so the order of registering does not matter). Returns the blocks taken in each step
+        (index 0 unused)."""
+        bs = self.block_size
+        opens = []
+        for i, c in enumerate(starts):
+            opens.extend((k, i) for k in range((-c) % bs + 1, steps + 1, bs))
+        opened = [0] * (steps + 1)
+        if opens:
+            opens.sort()
+            blocks = self.pool.take(len(opens))
+            for (k, i), block in zip(opens, blocks):
+                seqs[i].block_table.append(block)
+                opened[k] += 1
+        if self.enable_prefix_caching:
+            for seq, c in zip(seqs, starts):
+                if (c + steps) // bs > seq.num_cached_blocks:
+                    self._cache_full_blocks(seq, c + steps)
+        return opened
 
     def blocks_needed(self, num_tokens: int, n: int = 1, prompt_tokens: int = 0) -> int:
         """Blocks a request needs at its longest: n samples share the prompt's full blocks."""
