@@ -61,9 +61,17 @@ def _validate_on_vllm(scenario: Path, out: Optional[Path], data: Optional[Path])
     if not scenario.is_file():
         raise InputError(f"{scenario}: no such scenario file")
     measure_vllm = require("simkv.gpu.vllm.driver", "measure_vllm", "validate --engine vllm")
-    from simkv.validation.data import load_validation_scenario
-    name = load_validation_scenario(scenario, data).name
-    folder = measure_vllm(scenario, (out or Path("results/vllm")) / name, data_dir=data)
+    from simkv.validation.data import load_validation_scenario, requests_fingerprint
+    from simkv.workload.frames import load_requests_frame
+    scn = load_validation_scenario(scenario, data)
+    name, frame = scn.name, load_requests_frame(scn)
+    requests_meta = {      # what `validate compare` checks the scenario's requests against
+        "scenario_path": str(scenario), "requests": len(frame),
+        "arrival_span_s": float(frame["arrival_s"].max() - frame["arrival_s"].min()),
+        "requests_sha256": requests_fingerprint(frame),
+        "requests_sha256_no_arrivals": requests_fingerprint(frame, arrivals=False)}
+    folder = measure_vllm(scn, frame, (out or Path("results/vllm")) / name,
+                          requests_meta=requests_meta)
     print(f"[validate] vLLM measured {name} -> {folder}; compare on a CPU with simpy: "
           f"simkv validate compare {scenario} --measured {folder} --out RESULT.json",
           file=sys.stderr)

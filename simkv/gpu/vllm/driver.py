@@ -126,10 +126,16 @@ async def _run_pass(engine, sink: _Sink, requests: list, pass_name: str, realtim
     return records, list(sink.steps), wall
 
 
+def write_json(path: Path, data: dict) -> None:
+    """`data` as indented JSON, written atomically and readable by all."""
+    from simkv.engine.results import atomic_write_text
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    path.chmod(0o644)
+
+
 def _write_pass(out: Path, name: str, pass_name: str, records: list, steps: list, wall: float,
                 vllm_blocks: int, block_size: int) -> dict:
     from simkv.engine.results import write_results
-    from simkv.validation.data import write_json
     usable = vllm_blocks - 1                 # vLLM's block 0 is the null block, never allocated
     steps_df = steps_frame(steps, usable)
     summary = summarize(records, steps_df, num_blocks=usable, block_size=block_size,
@@ -160,6 +166,9 @@ def _versions() -> dict:
 
 
 async def _measure(scn, frame, out: Path, warmup_requests: int) -> dict:
+    # No top-k/top-p here, so FlashInfer's sampler would never run; without this vLLM 0.26's
+    # model runner imports FlashInfer at start-up even then, and the H200 machine has none
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
     seed, vocab = scn.seed, scn.model.vocab_size
@@ -197,21 +206,17 @@ async def _measure(scn, frame, out: Path, warmup_requests: int) -> dict:
             "passes": passes}
 
 
-def measure_vllm(scenario, out_dir, *, data_dir=None, warmup_requests: int = WARMUP_REQUESTS,
-                 write_trace: bool = False) -> Path:
-    """Serve the scenario's requests on vLLM, saturated then in real time, into `out_dir`.
+def measure_vllm(scn, frame, out_dir, *, requests_meta: dict,
+                 warmup_requests: int = WARMUP_REQUESTS, write_trace: bool = False) -> Path:
+    """Serve the scenario's requests (`frame`, a canonical requests frame) on vLLM, saturated
+    then in real time, into `out_dir`.
 
-    `scenario`: a YAML path (with `data_dir`, its prepared request window; see `simkv validate
-    prepare`). Writes meta.json and saturated/, realtime/ (summary.json, requests.csv,
-    steps.csv, ledger.json, records.json: the raw records) as `simkv validate compare` reads
-    them; with `write_trace`, trace.csv. Returns `out_dir`.
+    Writes meta.json (with `requests_meta`: the scenario path and the requests' count, arrival
+    span and fingerprints that `simkv validate compare` checks) and saturated/, realtime/
+    (summary.json, requests.csv, steps.csv, ledger.json, records.json: the raw records) as
+    `simkv validate compare` reads them; with `write_trace`, trace.csv. Returns `out_dir`.
     """
-    from simkv.validation.data import load_validation_scenario, requests_fingerprint, write_json
-    from simkv.workload.frames import load_requests_frame
     from simkv.workload.traces import write_canonical
-    scn_path = Path(scenario)
-    scn = load_validation_scenario(scn_path, data_dir)
-    frame = load_requests_frame(scn)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -220,7 +225,7 @@ def measure_vllm(scenario, out_dir, *, data_dir=None, warmup_requests: int = WAR
         write_canonical(frame, out / "trace.csv")
     meta = {
         "scenario": scn.name,
-        "scenario_path": str(scn_path),
+        **requests_meta,
         "scenario_settings": json.loads(json.dumps(scn.raw, default=str)),
         "model": scn.model.name,
         "gpu": scn.gpu.name,
@@ -229,10 +234,6 @@ def measure_vllm(scenario, out_dir, *, data_dir=None, warmup_requests: int = WAR
                    "vllm_num_gpu_blocks": run["vllm_num_gpu_blocks"]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["simkv", *sys.argv[1:]]) if sys.argv else None,
-        "requests": len(frame),
-        "arrival_span_s": float(frame["arrival_s"].max() - frame["arrival_s"].min()),
-        "requests_sha256": requests_fingerprint(frame),
-        "requests_sha256_no_arrivals": requests_fingerprint(frame, arrivals=False),
         "trace_source": frame.attrs.get("source"),
         "setup": run["setup"],
         "measure_wall_s": time.perf_counter() - t0,
