@@ -1,0 +1,21 @@
+#!/bin/bash
+# On the CPU: every committed vLLM measurement against simkv, (a) the bundled H200 profile as is
+# and (b) calibrated by vLLM's saturated run of the same requests, written to
+#   profiles/h200/llama-3.1-8b/vllm-0.26/compare/bundled/<name>-run<k>.json
+#   profiles/h200/llama-3.1-8b/vllm-0.26/compare/calibrated/<name>-run<k>.json
+# then the table of docs/validation.md from those files (table.py).
+#   bash scripts/vllm_device/compare_all.sh [RUN_DIR...]   (default: every <name>/run<k>/)
+set -euo pipefail
+V=profiles/h200/llama-3.1-8b/vllm-0.26
+runs=("$@")
+[ ${#runs[@]} -gt 0 ] || runs=($(ls -d $V/*/run*/ | sed 's:/$::'))
+mkdir -p $V/compare/bundled $V/compare/calibrated
+for run in "${runs[@]}"; do
+    name=$(basename "$(dirname "$run")"); k=$(basename "$run")
+    scenario=scenarios/validation/$name.yaml
+    simkv validate compare $scenario --measured $run --no-plots \
+        --out $V/compare/bundled/$name-$k.json
+    simkv validate compare $scenario --measured $run --no-plots --calibrate-saturated \
+        --out $V/compare/calibrated/$name-$k.json
+done
+python scripts/vllm_device/table.py $V/compare

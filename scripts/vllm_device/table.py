@@ -1,0 +1,179 @@
+"""The vLLM tables of docs/validation.md, from the comparison JSONs that compare_all.sh writes.
+
+    python scripts/vllm_device/table.py profiles/h200/llama-3.1-8b/vllm-0.26/compare
+
+Per scenario and comparison ((a) bundled: the H200 profile as is; (b) calibrated: step times
+scaled to vLLM's saturated run), simkv's error per metric judged on the mean of the runs:
+mean(simulated) / mean(measured) - 1 over the scenario's runs (one run: that run's error),
+with num_blocks against vLLM's own count (`vllm_num_gpu_blocks`, its null block included);
+then vLLM's spread between its runs, |run 2 - run 1| / their mean; then the issue's aims.
+Then, per scenario, the median period of vLLM's decode-only steps by batch size beside simkv's
+engine serving the same requests (profiles/h200/llama-3.1-8b/validation/<name>/).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pandas as pd
+
+METRICS = ("ttft_s.mean", "ttft_s.p90", "tpot_s.mean", "e2e_s.mean",
+           "throughput_output_tokens_per_s", "preemptions", "running_peak")
+HEADER = ("TTFT mean", "TTFT p90", "TPOT mean", "E2E mean", "output tok/s", "preemptions",
+          "peak running")
+PASSES = ("bundled", "calibrated")
+LABEL = {"bundled": "(a) bundled profile", "calibrated": "(b) calibrated"}
+ORDER = ("azure-conv-load60-bs16", "bursty-cancel-n2-bs16", "mooncake-prefix-bs16",
+         "azure-conv-load90-bs16")
+ENGINE_RUNS = Path("profiles/h200/llama-3.1-8b/validation")
+BATCH_BINS = [1, 9, 17, 33, 65, 129, 257]
+
+
+def lookup(summary: dict, key: str):
+    value = summary
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+def relative(simulated: float, measured: float):
+    if measured == 0:
+        return 0.0 if simulated == 0 else None
+    return simulated / measured - 1
+
+
+def pct(value, bound=None) -> str:
+    if value is None:
+        return "–"
+    text = f"{value * 100:+.1f}%".replace("-", "−")
+    return text + (" ✗" if bound is not None and abs(value) > bound else "")
+
+
+def read(folder: Path) -> dict:
+    """{pass: {name: [result JSON of run 1, run 2, ...]}}."""
+    results = {p: defaultdict(list) for p in PASSES}
+    for p in PASSES:
+        for path in sorted((folder / p).glob("*.json")):
+            result = json.loads(path.read_text())
+            assert result["measured"]["pass"] == "realtime"
+            results[p][result["name"]].append(result)
+    return results
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def errors(runs: list) -> dict:
+    """The scenario's errors on the mean of its runs, num_blocks against vLLM's own count."""
+    out = {k: relative(mean(lookup(r["simulated"], k) for r in runs),
+                       mean(lookup(r["measured"], k) for r in runs)) for k in METRICS}
+    out["num_blocks"] = relative(runs[0]["sizing"]["simkv_size_num_blocks"],
+                                 runs[0]["measured"]["vllm_num_gpu_blocks"])
+    out["num_blocks_usable"] = relative(runs[0]["sizing"]["simkv_size_num_blocks"],
+                                        runs[0]["measured"]["num_blocks"])
+    return out
+
+
+def spread(runs: list) -> dict:
+    """vLLM's run-to-run spread per metric (None with one run)."""
+    if len(runs) < 2:
+        return {k: None for k in METRICS}
+    out = {}
+    for k in METRICS:
+        a, b = (lookup(r["measured"], k) for r in runs[:2])
+        out[k] = abs(b - a) / ((a + b) / 2) if a + b else 0.0
+    return out
+
+
+def aims(err: dict, spr: dict) -> dict:
+    """The issue's aims for a calibrated comparison: TPOT and E2E within 5%, TTFT (mean and
+    p90) within 10%, num_blocks within 2%; a bound below vLLM's own spread is the spread."""
+    bounds = {"ttft_s.mean": 0.10, "ttft_s.p90": 0.10, "tpot_s.mean": 0.05, "e2e_s.mean": 0.05}
+    out = {}
+    for k, b in bounds.items():
+        bound = max(b, spr[k] or 0.0)
+        out[k] = {"bound": bound, "ok": err[k] is not None and abs(err[k]) <= bound}
+    out["num_blocks"] = {"bound": 0.02, "ok": abs(err["num_blocks"]) <= 0.02}
+    return out
+
+
+def decode_periods(steps: pd.DataFrame) -> pd.Series:
+    """Median period (ms) from a decode-only step's start to the next step's start, by batch
+    size bin; steps followed by an idle gap (nothing running after them) are left out."""
+    steps = steps.sort_values("start_s").reset_index(drop=True)
+    period = steps["start_s"].shift(-1) - steps["start_s"]
+    decode = (steps["num_prefill_tokens"] == 0) & (steps["num_decode_tokens"] > 0)
+    busy = steps["num_running"].shift(-1).fillna(0) > 0
+    keep = decode & busy & period.notna()
+    bins = pd.cut(steps.loc[keep, "num_decode_tokens"], BATCH_BINS, right=False)
+    return (period[keep] * 1e3).groupby(bins, observed=True).median()
+
+
+def step_table(results: dict) -> list:
+    lines = ["| scenario | decodes per step | steps (vLLM run 1) | vLLM median period ms | "
+             "simkv's engine median period ms | vLLM / simkv's engine |",
+             "|---|---|---|---|---|---|"]
+    for name in ORDER:
+        runs = results["bundled"].get(name)
+        engine = ENGINE_RUNS / name / "realtime" / "steps.csv"
+        if not runs or not engine.is_file():
+            continue
+        vllm_steps = pd.read_csv(Path(runs[0]["measured_dir"]) / "realtime" / "steps.csv")
+        ours = decode_periods(pd.read_csv(engine))
+        theirs = decode_periods(vllm_steps)
+        counts = pd.cut(vllm_steps.loc[(vllm_steps.num_prefill_tokens == 0)
+                                       & (vllm_steps.num_decode_tokens > 0),
+                                       "num_decode_tokens"], BATCH_BINS,
+                        right=False).value_counts()
+        for interval in theirs.index:
+            if interval not in ours.index:
+                continue
+            label = f"{int(interval.left)}-{int(interval.right) - 1}"
+            lines.append(f"| {name} | {label} | {counts[interval]} | {theirs[interval]:.2f} | "
+                         f"{ours[interval]:.2f} | {theirs[interval] / ours[interval]:.2f} |")
+    return lines
+
+
+def main(folder: str) -> int:
+    results = read(Path(folder))
+    head = "| scenario | runs | load | comparison | scale | " + " | ".join(HEADER) + \
+        " | num_blocks | all aims |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for name in ORDER:
+        if name not in results["bundled"]:
+            continue
+        spr = spread(results["bundled"][name])
+        for p in PASSES:
+            runs = results[p][name]
+            err = errors(runs)
+            load = mean(r["load"] for r in runs)
+            scale = ("1" if p == "bundled" else
+                     " / ".join(f"{r['calibration']['step_time_scale']:.3f}" for r in runs))
+            check = aims(err, spr)
+            cells = [pct(err[k], check[k]["bound"] if p == "calibrated" and k in check
+                         and load <= 0.7 else None) for k in METRICS]
+            ok = ("–" if p == "bundled" else "(load > 0.7)" if load > 0.7 else
+                  "**yes**" if all(c["ok"] for c in check.values()) else "no")
+            print(f"| {name} | {len(runs)} | {load:.2f} | {LABEL[p]} | {scale} | "
+                  + " | ".join(cells) + f" | {pct(err['num_blocks'], 0.02)} | {ok} |")
+        if any(v is not None for v in spr.values()):
+            print(f"| {name} | 2 | | vLLM run 2 against run 1 | | "
+                  + " | ".join("–" if spr[k] is None else f"{spr[k] * 100:.1f}%"
+                               for k in METRICS) + " | 0 | |")
+    print()
+    print("simkv size against vLLM's usable blocks (its count less the null block): "
+          + ", ".join(f"{n} {pct(errors(results['bundled'][n])['num_blocks_usable'])}"
+                      for n in ORDER if n in results["bundled"]))
+    print()
+    print("\n".join(step_table(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else
+                  "profiles/h200/llama-3.1-8b/vllm-0.26/compare"))
