@@ -1,6 +1,7 @@
 """Bring vLLM to the H200 machine in as few calls as it takes: wheels in, pieces out.
 
     python scripts/vllm_device/carry.py build      # download, stage, prune, pack, split
+    python scripts/vllm_device/carry.py split      # the same stream in pieces for today's tree
     python scripts/vllm_device/carry.py plan       # each call's carry list and command
 
 `build` (here, with pip and network):
@@ -10,8 +11,10 @@
   3. drops what vLLM never loads on an H200 for this work (DROP below), and blanks, in every
      shared library, the GPU code a compute-capability-9.0 device cannot load
      (fatbin_prune.py);
-  4. packs the stage as one tar.xz stream and splits it into pieces that fit one call each,
-     .whl/carry/<k>/piece, with manifest.json (sha256 of each piece and of the whole).
+  4. packs the stage as one tar.xz stream and splits it into the fewest pieces of one size that
+     fit one call each beside the working tree, .whl/carry/<k>/piece, with manifest.json
+     (sha256 of each piece and of the whole). `split` does step 4's split again, in seconds,
+     when the tree has grown since (committed measurements travel with every call).
 
 `plan` prints, per piece, the `carry` list and the device command. Each command keeps its piece
 in /root/vllm-carry/ (outside the working-tree copy) and, once every piece is there and its
@@ -135,9 +138,19 @@ def pack() -> dict:
                 tar.addfile(info)
     tarball.unlink(missing_ok=True)
     subprocess.run(["xz", "-9", "-T0", str(plain)], check=True)      # -> vllm-site.tar.xz
+    return split()
+
+
+def split() -> dict:
+    """Split the packed stream into the fewest pieces that fit a call beside the working tree,
+    all of one size, so that the tree may grow by several MiB before the pieces stop fitting."""
+    data = (WHL / "vllm-site.tar.xz").read_bytes()
     tree = _tree_bytes()
-    piece = CALL_LIMIT - tree - MARGIN
-    data = tarball.read_bytes()
+    room = CALL_LIMIT - tree - MARGIN
+    if room <= 0:
+        raise SystemExit(f"the working tree ({tree / MIB:.1f} MiB) leaves no room for a piece")
+    count = -(-len(data) // room)
+    piece = -(-len(data) // count)
     if CARRY.exists():
         shutil.rmtree(CARRY)
     pieces = []
@@ -190,7 +203,7 @@ def plan() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["build", "plan"])
+    ap.add_argument("step", choices=["build", "split", "plan"])
     args = ap.parse_args(argv)
     if args.step == "build":
         timings = {}
@@ -200,6 +213,9 @@ def main(argv=None) -> int:
             step()
             timings[name] = round(time.perf_counter() - t0, 1)
             print(f"[carry] {name}: {timings[name]} s", file=sys.stderr, flush=True)
+        plan()
+    elif args.step == "split":      # the packed stream again, for a working tree that has grown
+        split()
         plan()
     else:
         plan()
