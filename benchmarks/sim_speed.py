@@ -1,19 +1,32 @@
-"""Simulator speed: simulated seconds per wall second on the whole shared Azure conv trace.
+"""Simulator speed: simulated seconds per CPU second, whole processes and the simulation alone.
 
-    python benchmarks/sim_speed.py [--runs 3] [--profile] [--tail-ab N] [--clock-ab N]
-        [--against DIR --ab N] [--json OUT.json]
+    python benchmarks/sim_speed.py [--scenario azure|mooncake-memory|running-1024] [--runs 3]
+        [--against DIR --ab N] [--in-process N] [--per-step] [--profile] [--tail-ab N]
+        [--clock-ab N] [--json OUT.json]
 
-Each run is a whole `simkv run` process (start-up, trace loading, simulation and result writing
-included), timed from outside; the ratio is sim_duration_s / wall seconds. `--profile` then runs
-the simulation once in-process under cProfile and reports where the time goes, by component.
+Scenarios: `azure` (default), the whole shared Azure conv trace on the profiled H200 model with
+its default effects, max_num_seqs 256 and 8,192 batched tokens; `mooncake-memory` and
+`running-1024` (benchmarks/scenarios/): the shared Mooncake trace at its recorded rate on a 30
+GiB budget (memory-bound, preempting), and 1,024 sequences running at once.
+
+Each run of `--runs` is a whole `simkv run` process (start-up, trace loading, simulation and
+result writing included), timed from outside; the ratio is sim_duration_s / wall seconds.
 `--against DIR --ab N` times the same whole `simkv run` process in this checkout and in another
-one (DIR, e.g. a worktree of an earlier commit), alternated N times, in CPU seconds of the child
-processes (user + system, from os.wait4): the new checkout's CPU time over the other's, per pair
-and as the median. `--tail-ab N` times, in one process and alternated N times, the first 6,000 requests at twice
-their rate (32 GiB) with the profile's fit as it is and with its decode tail taken the earlier
-way (the longest program against an even share, `decode_tail_in_order` off): the cost of the
-in-order tail as a ratio. `--clock-ab N` likewise times the same requests with the GPU
-clock-state model (the default) and with the clock fixed (`gpu_clock: fixed`).
+one (DIR, e.g. a git worktree of an earlier commit: `git worktree add /tmp/base b20c84b`),
+alternated N times, in CPU seconds of the child processes (user + system, from os.wait4): each
+side's min/median/max, the new checkout's CPU time over the other's per pair, and the median
+(a speed-up is its inverse). `--in-process N` times, in this process and alternated N times,
+the simulation alone (Simulation.run, CPU seconds) step by step (`exact`) and with decode runs,
+the result writer's CPU seconds, and checks that both give the same summary.json (but wall
+time), requests.csv and steps.csv, byte for byte. `--per-step` gives the simulation's CPU
+microseconds per step at 1k, 5k and 19k requests of the Azure conv trace (what must not grow
+with the run). `--profile` runs the simulation once in-process under cProfile and reports where
+the time goes, by component. `--tail-ab N` times, in one process and alternated N times, the
+first 6,000 requests at twice their rate (32 GiB) with the profile's fit as it is and with its
+decode tail taken the earlier way (the longest program against an even share,
+`decode_tail_in_order` off): the cost of the in-order tail as a ratio. `--clock-ab N` likewise
+times the same requests with the GPU clock-state model (the default) and with the clock fixed
+(`gpu_clock: fixed`).
 """
 from __future__ import annotations
 
@@ -29,6 +42,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH_SCENARIOS = {"mooncake-memory": ROOT / "benchmarks" / "scenarios" / "mooncake-memory.yaml",
+                   "running-1024": ROOT / "benchmarks" / "scenarios" / "running-1024.yaml"}
+MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake-fast25" / "synthetic_trace.jsonl"
 TRACE = ROOT.parent / "shared" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
 SCENARIO = f"""\
 name: azure-conv-speed
@@ -81,6 +97,12 @@ def _cpu_run(scenario: Path, checkout: Path) -> tuple:
     return usage.ru_utime + usage.ru_stime, wall, summary["sim_duration_s"]
 
 
+def _spread(values: list) -> str:
+    import statistics
+    return (f"min {min(values):.2f}, median {statistics.median(values):.2f}, "
+            f"max {max(values):.2f}")
+
+
 def checkout_ab(scenario: Path, other: Path, repeats: int) -> dict:
     """CPU seconds of the whole run here over the same run in `other`, alternated."""
     import statistics
@@ -91,12 +113,84 @@ def checkout_ab(scenario: Path, other: Path, repeats: int) -> dict:
             cpu, wall, sim_s = _cpu_run(scenario, checkout)
             runs[name].append({"cpu_s": cpu, "wall_s": wall, "sim_duration_s": sim_s})
             print(f"pair {i + 1} {name:5s}: {cpu:6.2f} CPU s, {wall:6.2f} s wall, "
-                  f"{sim_s:.0f} sim s", flush=True)
+                  f"{sim_s:.0f} sim s ({sim_s / cpu:.0f}x real time per CPU s)", flush=True)
     ratios = [a["cpu_s"] / b["cpu_s"] for a, b in zip(runs["this"], runs["other"])]
+    for name in runs:
+        print(f"{name:5s} CPU s: {_spread([r['cpu_s'] for r in runs[name]])}")
+    median = statistics.median(ratios)
     print(f"\nCPU seconds, this checkout over {other}: "
-          f"{', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}")
-    return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios),
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; median {median:.3f} "
+          f"({1 / median:.2f}x faster)")
+    return {"runs": runs, "ratios": ratios, "median_ratio": median, "speedup": 1 / median,
             "other": str(other)}
+
+
+def _outputs(result) -> tuple:
+    from simkv.engine.results import csv_text
+    summary = dict(result.summary)
+    summary.pop("wall_time_s")
+    return json.dumps(summary, indent=2), csv_text(result.requests), csv_text(result.steps)
+
+
+def in_process(scenario: Path, repeats: int) -> dict:
+    """The simulation alone (CPU s), step by step and with decode runs, alternated; the
+    writer's CPU seconds; and whether both give the same bytes."""
+    import statistics
+    import simkv
+    from simkv.sim.engine import Simulation
+    scn = simkv.load_scenario(scenario)
+    frame = Simulation(scn).frame
+    times = {"exact": [], "runs": [], "write": []}
+    identical = True
+    sim_s = 0.0
+    for i in range(repeats):
+        outs = {}
+        for exact in ((True, False) if i % 2 == 0 else (False, True)):
+            sim = Simulation(scn, frame, exact=exact)
+            start = time.process_time()
+            result = sim.run()
+            times["exact" if exact else "runs"].append(time.process_time() - start)
+            outs[exact] = _outputs(result)
+            sim_s = result.summary["sim_duration_s"]
+            if not exact:
+                with tempfile.TemporaryDirectory() as tmp:
+                    start = time.process_time()
+                    result.write(tmp)
+                    times["write"].append(time.process_time() - start)
+        identical = identical and outs[True] == outs[False]
+        print(f"round {i + 1}: step by step {times['exact'][-1]:.2f} CPU s, decode runs "
+              f"{times['runs'][-1]:.2f} CPU s, writing {times['write'][-1]:.2f} CPU s; "
+              f"same bytes: {outs[True] == outs[False]}", flush=True)
+    ratio = statistics.median(a / b for a, b in zip(times["exact"], times["runs"]))
+    runs_s = statistics.median(times["runs"])
+    print(f"\nsimulation alone: step by step {_spread(times['exact'])} CPU s; decode runs "
+          f"{_spread(times['runs'])} CPU s ({sim_s / runs_s:.0f}x real time); "
+          f"{ratio:.2f}x; writing {_spread(times['write'])} CPU s; identical: {identical}")
+    return {"cpu_s": times, "speedup_over_exact": ratio, "identical": identical,
+            "sim_duration_s": sim_s}
+
+
+def per_step(repeats: int = 3) -> dict:
+    """CPU microseconds per step of the simulation at 1k, 5k and 19k Azure conv requests."""
+    import statistics
+    import simkv
+    from simkv.sim.engine import Simulation
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "azure.yaml")
+        path.write_text(SCENARIO)
+        for limit in (1000, 5000, 19366):
+            scn = simkv.load_scenario(path, {"workload.limit": limit})
+            us = []
+            for _ in range(repeats):
+                sim = Simulation(scn)
+                start = time.process_time()
+                steps = sim.run().summary["num_steps"]
+                us.append(1e6 * (time.process_time() - start) / steps)
+            out[limit] = {"us_per_step": statistics.median(us), "steps": steps}
+            print(f"{limit:6d} requests: {statistics.median(us):.2f} CPU us per step "
+                  f"({steps} steps; {', '.join(f'{u:.2f}' for u in us)})", flush=True)
+    return out
 
 
 def profile_components(scenario: Path) -> dict:
@@ -168,6 +262,7 @@ def clock_ab(scenario: Path, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", default="azure", choices=["azure", *BENCH_SCENARIOS])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--tail-ab", type=int, default=0, metavar="N",
@@ -178,19 +273,32 @@ def main() -> None:
                     help="another checkout to time against (with --ab)")
     ap.add_argument("--ab", type=int, default=3, metavar="N",
                     help="pairs of runs against --against (default 3)")
+    ap.add_argument("--in-process", type=int, default=0, metavar="N",
+                    help="time the simulation alone, step by step and with decode runs, N times")
+    ap.add_argument("--per-step", action="store_true",
+                    help="CPU microseconds per step at 1k, 5k and 19k Azure conv requests")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
-    if not TRACE.exists():
-        sys.exit(f"skipped: the shared Azure trace is not at {TRACE}")
+    needs = TRACE if args.scenario == "azure" or args.per_step else MOONCAKE \
+        if args.scenario == "mooncake-memory" else None
+    if needs is not None and not needs.exists():
+        sys.exit(f"skipped: the shared trace is not at {needs}")
+    meta = {"command": " ".join(sys.argv), "scenario": args.scenario,
+            "python": platform.python_version(), "machine": platform.machine()}
     with tempfile.TemporaryDirectory() as tmp:
-        scenario = Path(tmp, "azure.yaml")
-        scenario.write_text(SCENARIO)
-        if args.against is not None:
-            ab = checkout_ab(scenario, args.against.resolve(), args.ab)
+        scenario = BENCH_SCENARIOS.get(args.scenario) or Path(tmp, "azure.yaml")
+        if args.scenario == "azure":
+            scenario.write_text(SCENARIO)
+        if args.against is not None or args.in_process or args.per_step:
+            figures = dict(meta)
+            if args.against is not None:
+                figures["checkout_ab"] = checkout_ab(scenario, args.against.resolve(), args.ab)
+            if args.in_process:
+                figures["in_process"] = in_process(scenario, args.in_process)
+            if args.per_step:
+                figures["per_step"] = per_step()
             if args.json:
-                args.json.write_text(json.dumps({"checkout_ab": ab, "command": " ".join(sys.argv),
-                                                 "python": platform.python_version(),
-                                                 "machine": platform.machine()}, indent=2) + "\n")
+                args.json.write_text(json.dumps(figures, indent=2) + "\n")
             return
         runs = whole_process_runs(scenario, args.runs)
         best = max(runs, key=lambda r: r["speedup"])
@@ -203,10 +311,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "median_speedup": median,
                                          "profile_shares": shares, "tail_ab": ab,
-                                         "clock_ab": clock,
-                                         "python": platform.python_version(),
-                                         "machine": platform.machine(),
-                                         "command": " ".join(sys.argv)}, indent=2) + "\n")
+                                         "clock_ab": clock, **meta}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

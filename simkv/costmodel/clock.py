@@ -249,7 +249,7 @@ class ClockedCostModel(TermModel):
         level, mhz, free_at = state.level, state.mhz, state.free_at_s
         around = None
         for k in range(1, run.max_steps + 1):
-            if now_s >= horizon_s:
+            if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
                 break
             forward_values, around_values = next(steps)
             forward = fsum(forward_values)

@@ -304,8 +304,8 @@ class ProfiledCostModel(TermModel):
         out = []
         steps = self.decode_run_values(run, shared)
         fsum = math.fsum
-        for _ in range(run.max_steps):
-            if now_s >= horizon_s:
+        for k in range(1, run.max_steps + 1):
+            if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
                 break
             forward, around = next(steps)
             seconds = fsum(forward + around)

@@ -1,21 +1,27 @@
-"""Decode runs: the steps after a plain decode step, taken together.
+"""Decode runs: steps in a row that decode the same batch, taken together.
 
-A step that decoded every running sequence and did nothing else (no prefill chunk, admission,
-preemption, copy, swap, fork or finish) is followed by the same step one token further on, for
-as long as nothing changes the batch: until an arrival or a cancellation (the driver's
-horizon), a sequence's last token, or the pool running out of free blocks. Such a run's steps
-are known before they are taken: sequence i of the batch computes token c_i + k - 1 in step k
-(c_i: its computed tokens as the run starts), takes a block where that token opens one and
-registers a block where it fills one (the KV manager's `append_decode_tokens`, as `m` steps of
-`allocate_slots(seq, 1)` would). The serving loop (simkv.engine.loop) asks for a run after
-each step; the executor times its steps (a cost model can do so in closed form), and `commit`
-applies them to the scheduler, the KV manager and the recorder: the same state, rows and
-floats as taking the steps one by one (tests/test_decode_run.py).
+A plan that decodes every running sequence and does nothing else (no prefill chunk, admission,
+preemption, copy or swap) is followed by the same plan one token further on, for as long as
+nothing changes the batch: until an arrival or a cancellation (the driver's horizon), a
+sequence's last token, or the pool running out of free blocks. Such a run's steps are known
+before they are taken: sequence i of the batch computes token c_i + k - 1 in step k (c_i: its
+computed tokens as step 1, the plan just scheduled, starts), takes a block where that token
+opens one and registers a block where it fills one (the KV manager's `append_decode_tokens`,
+as the steps' `allocate_slots(seq, 1)` would). The serving loop (simkv.engine.loop) asks for a
+run after each `schedule`; the executor times its steps (a cost model can do so in closed
+form), and `commit` applies them to the scheduler, the KV manager and the recorder: the same
+state, rows and floats as taking the steps one by one (tests/test_decode_run.py). The last step
+may finish sequences; the scheduler's own `finish_step` applies it.
 
-Why the batch does not change inside a run: what the step before left waiting stays waiting.
-The head of the queue was refused a seat, the token budget or blocks, and none of those comes
-back inside a run (seats and budget are constant, free blocks only fall, a decode never fills
-a block another request's prompt could hit); swapped requests likewise.
+Why the batch does not change inside a run: what step 1 left waiting stays waiting. The head of
+the queue was refused a seat, the token budget or blocks, and none of those comes back inside a
+run (seats and budget are constant, free blocks only fall, a decode never fills a block another
+request's prompt could hit); swapped requests likewise.
+
+Fleets: a run is planned to a horizon the driver gives (the next event that can reach this
+replica) and committed once its time has passed, so nothing outside the replica sees its state
+mid-run; an arrival routed to the replica inside a run needs the run cut at the step boundary
+after it (times and clock states kept per step), not yet written.
 """
 from __future__ import annotations
 
@@ -24,37 +30,37 @@ from array import array
 from simkv.engine.plan import ScheduledSeq, StepPlan
 
 MAX_RUN_STEPS = 4096       # steps one run covers at most (it is planned before it is timed)
+MIN_RUN_STEPS = 3          # a shorter run costs more to plan than its steps one by one
 
 
 class DecodeRun:
-    """Steps 1..m after `plan` (step 0), each decoding every sequence of the batch once more.
+    """Steps 1..m, step 1 being `plan` (scheduled, not yet executed), each decoding every
+    sequence of the batch once.
 
     `seqs` (plan order), `starts` (c_i: the token each computes in step 1), `n`,
     `context_tokens` and `max_context` (step 1's decode context, summed and longest; step k
-    adds n x (k - 1) and k - 1), `max_steps` (the run ends before a sequence's last token and
-    before the pool runs out)."""
+    adds n x (k - 1) and k - 1), `max_steps` (up to the step of the first sequence's last
+    token, cut where the pool's free blocks run out)."""
 
     def __init__(self, scheduler, plan: StepPlan):
         self.scheduler, self.plan = scheduler, plan
         self.seqs = [item.seq for item in plan.scheduled]
-        self.starts = [seq.num_computed_tokens for seq in self.seqs]
+        self.starts = [item.start for item in plan.scheduled]
         self.n = len(self.seqs)
-        self.context_tokens = sum(self.starts) + self.n
-        self.max_context = max(self.starts) + 1
+        self.context_tokens = plan.decode_context_tokens
+        self.max_context = plan.decode_max_context
         self.block_size = scheduler.kv.block_size
         self.max_steps = self._max_steps()
 
     # -- bounds -------------------------------------------------------------------------------
     def _max_steps(self) -> int:
-        """Steps before a sequence's last token, cut where the pool's free blocks run out."""
-        steps = min(seq.request.output_tokens - seq.num_output_tokens for seq in self.seqs) - 1
-        steps = min(steps, MAX_RUN_STEPS)
-        if steps <= 0:
-            return 0
+        """Steps up to a sequence's last token, cut where the pool's free blocks run out."""
+        steps = min(MAX_RUN_STEPS, min(seq.request.output_tokens - seq.num_output_tokens
+                                       for seq in self.seqs))
         free = self.scheduler.kv.num_free_blocks
         if self.blocks_taken(steps) <= free:
             return steps
-        low, high = 0, steps            # blocks_taken(low) <= free < blocks_taken(high)
+        low, high = 1, steps            # blocks_taken(low) <= free < blocks_taken(high)
         while high - low > 1:
             mid = (low + high) // 2
             if self.blocks_taken(mid) <= free:
@@ -64,11 +70,14 @@ class DecodeRun:
         return low
 
     def blocks_taken(self, steps: int) -> int:
-        """Blocks the batch takes in steps 1..`steps`: one where a token opens a block."""
+        """Blocks the batch takes in steps 2..`steps` (step 1's are taken): one where a token
+        opens a block."""
         bs = self.block_size
         total = 0
         for c in self.starts:
             first = (-c) % bs + 1        # the first step whose token opens a block
+            if first == 1:
+                first += bs
             if steps >= first:
                 total += (steps - first) // bs + 1
         return total
@@ -76,8 +85,10 @@ class DecodeRun:
     # -- the steps, as plans ------------------------------------------------------------------
     def plan_at(self, k: int, now_s: float) -> StepPlan:
         """Step k of the run as the scheduler would plan it (the KV snapshot left out)."""
+        if k == 1:
+            return self.plan
         first = self.plan
-        plan = StepPlan(first.step + k, now_s,
+        plan = StepPlan(first.step + k - 1, now_s,
                         [ScheduledSeq(seq, c + k - 1, 1, True)
                          for seq, c in zip(self.seqs, self.starts)])
         plan.count_tokens()
@@ -90,74 +101,105 @@ class DecodeRun:
         start, then each step's end, as the driver's clock adds them up): the scheduler, the
         KV manager and the recorder end where m single steps would leave them."""
         m = len(ends) - 1
-        if not m:
-            return
-        scheduler, kv, bs = self.scheduler, self.scheduler.kv, self.block_size
+        scheduler, kv = self.scheduler, self.scheduler.kv
         seqs, starts, n = self.seqs, self.starts, self.n
-        used0, computed0 = kv.num_used_blocks, sum(starts)
-        tables0 = [len(seq.block_table) for seq in seqs]
-        opened = kv.append_decode_tokens(seqs, starts, m)
-        # the sequences after m more tokens each
-        end_s = ends[m]
-        for seq, c in zip(seqs, starts):
-            seq.num_computed_tokens = c + m
-            seq.num_tokens += m
-            seq.num_output_tokens += m
-            seq.last_token_s = end_s
-        # every sequence got a token at the end of each step (of step 0 as the run starts)
+        tables = [len(seq.block_table) for seq in seqs]       # as step 1 runs
+        opened = kv.append_decode_tokens(seqs, starts, m, 2)
         durations = [ends[k] - ends[k - 1] for k in range(1, m + 1)]
-        itl = scheduler.itl_s
-        for d in durations:
-            itl.extend(array("d", (d,)) * n)
-        scheduler.step_id += m
         # what the recorder's observe would have seen in each step
-        used, blocks = used0, sum(tables0)
+        plan = self.plan
+        used, blocks, computed = plan.kv_blocks_used, sum(tables), sum(starts)
         used_rows, waste_rows = [], []
         running = scheduler.running
         for k in range(1, m + 1):
             used += opened[k]
             blocks += opened[k]
             used_rows.append(used)
-            waste_rows.append(kv.allocated_slots(blocks, running) - (computed0 + n * (k - 1))
-                              - n)
-        recorder.record_decode_run(self.plan, n, ends, durations, used_rows, waste_rows,
-                                   self._table_steps(tables0, m))
+            waste_rows.append(kv.allocated_slots(blocks, running) - computed - n)
+            computed += n
+        recorder.record_decode_run(plan, n, ends, durations, used_rows, waste_rows,
+                                   self._table_steps(tables, m))
+        # steps 1..m-1: every sequence gets a token at each step's end, none its last
+        if m > 1:
+            itl = scheduler.itl_s
+            itl.extend(array("d", [ends[1] - seq.last_token_s for seq in seqs]))
+            for d in durations[1:m - 1]:
+                itl.extend(array("d", (d,)) * n)
+            done = m - 1
+            for seq in seqs:
+                seq.num_computed_tokens += done
+                seq.num_tokens += done
+                seq.num_output_tokens += done
+                seq.last_token_s = ends[m - 1]
+        scheduler.step_id += m - 1
+        # step m as the scheduler finishes any step (it may finish sequences); finish_step
+        # reads the plan's items only
+        last = self.plan if m == 1 else StepPlan(plan.step + m - 1, ends[m - 1], [
+            ScheduledSeq(seq, c + m - 1, 1, True) for seq, c in zip(seqs, starts)])
+        scheduler.finish_step(last, None, ends[m])
 
-    def _table_steps(self, tables0: list, m: int) -> dict:
+    def _table_steps(self, tables: list, m: int) -> dict:
         """Block-table length -> sequence-steps spent at it over steps 1..m (a table grows by a
-        block in each step whose token opens one, and the step sees the longer table)."""
+        block in each step from 2 on whose token opens one, and the step sees the longer
+        table)."""
         bs = self.block_size
         counts: dict = {}
-        for c, nb in zip(self.starts, tables0):
-            k, opens = 1, (-c) % bs + 1
-            while k <= m:
-                if k == opens:
-                    nb += 1
-                    opens += bs
-                last = min(m, opens - 1)
-                counts[nb] = counts.get(nb, 0) + last - k + 1
-                k = last + 1
+        for c, nb in zip(self.starts, tables):
+            k = 1
+            opens = (-c) % bs + 1
+            if opens == 1:               # step 1's block is in the table already
+                opens += bs
+            while opens <= m:            # steps k..opens-1 at nb blocks, then one more
+                counts[nb] = counts.get(nb, 0) + opens - k
+                nb += 1
+                k = opens
+                opens += bs
+            counts[nb] = counts.get(nb, 0) + m - k + 1
         return counts
 
 
+class RunAttempts:
+    """When to look for a decode run: after each plan, except after looks that found none
+    worth taking (a batch whose sequences finish every few steps), which back off: the next
+    look comes 1, 2, 4 ... 64 plans later, until one finds a run again. Looking costs a pass
+    over the batch; not looking only takes those steps one by one (the same results)."""
+
+    MAX_SKIP = 64
+
+    def __init__(self):
+        self.skip = 0             # plans still to take one by one
+        self.backoff = 0
+
+    def look(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def found(self, steps: int) -> None:
+        """A look found a run of `steps` steps (0: none)."""
+        if steps >= MIN_RUN_STEPS:
+            self.backoff = 0
+        else:
+            self.backoff = min(self.MAX_SKIP, 2 * self.backoff or 1)
+            self.skip = self.backoff
+
+
 def decode_run(scheduler, plan: StepPlan) -> DecodeRun | None:
-    """The run that follows `plan`, just finished (`finish_step` applied), or None when the next
-    step may differ from it: the plan did more than decode every running sequence once, a
-    sequence finished, something arrived, was cancelled or rejected meanwhile, a table is not
-    exactly its computed tokens' blocks or a partial tail block is shared (its next token
-    copies it), or the KV manager cannot say (the contiguous one)."""
+    """The run that `plan` (just scheduled) starts, or None when the steps after it may differ:
+    it does more than decode every running sequence once, a sequence has fewer than
+    MIN_RUN_STEPS tokens to go, or a table does not hold exactly the
+    blocks of its tokens so far (its partial tail shared, or with prefix caching a full block
+    not registered), or the KV manager cannot say (the contiguous one)."""
     if plan.num_prefill_seqs or not plan.scheduled or plan.preempted or plan.cancelled \
-            or plan.rejected or plan.forked or plan.block_copies or plan.swap_out \
-            or plan.swap_in:
+            or plan.rejected or plan.block_copies or plan.swap_out or plan.swap_in:
         return None
-    if scheduler.num_running_seqs != len(plan.scheduled) \
-            or len(scheduler.running) != plan.num_running \
-            or len(scheduler.waiting) + len(scheduler.swapped) != plan.num_waiting \
-            or scheduler.has_pending_events():
+    if scheduler.num_running_seqs != len(plan.scheduled):
         return None
-    kv = scheduler.kv
-    appends = getattr(kv, "appends_in_place", None)
-    if appends is None or not all(appends(item.seq) for item in plan.scheduled):
+    if min(item.seq.request.output_tokens - item.seq.num_output_tokens
+           for item in plan.scheduled) < MIN_RUN_STEPS:
         return None
-    run = DecodeRun(scheduler, plan)
-    return run if run.max_steps > 0 else None
+    appends = getattr(scheduler.kv, "appends_in_place", None)
+    if appends is None or not all(appends(item.seq, item.start + 1) for item in plan.scheduled):
+        return None
+    return DecodeRun(scheduler, plan)

@@ -15,9 +15,10 @@ it needs from the clock and the driver sends back the time:
   cancellation it knows of (inf: none) and lets no time pass.
 
 With `decode_runs` and an executor that times decode runs (`run_seconds`, the simulator's), a
-step that only decoded the batch is followed by its decode run (simkv.engine.decode_run): the
-steps up to the horizon, timed and applied together, and one `seconds` for all of them, the
-sum the driver's clock would have added up step by step.
+plan that only decodes the batch starts a decode run (simkv.engine.decode_run): it and the
+steps after it up to the horizon, timed and applied together, the driver's clock moved by
+`seconds` to where it would have added up to step by step (one delay, or two where the sum's
+rounding steps over the end).
 
 The driver owns arrivals and cancellations (it calls `scheduler.add_request` / `cancel` at their
 times), so N replicas are N loops on one clock, each with its own scheduler, executor and
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from simkv.engine.decode_run import decode_run
+from simkv.engine.decode_run import RunAttempts, decode_run
 
 NOW = "now"
 IDLE = "idle"
@@ -54,6 +55,7 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
     `decode_runs` takes decode runs together where the executor can time them."""
     kv = scheduler.kv
     runs = getattr(executor, "run_seconds", None) if decode_runs else None
+    attempts = RunAttempts()
     observe, record = recorder.observe, recorder.record_step
     execute, step_done = executor.execute, executor.step_done
     now = yield NOW
@@ -71,6 +73,27 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
                 return
             continue
         empty_in_a_row = 0
+        run = decode_run(scheduler, plan) if runs is not None and attempts.look() else None
+        if runs is not None and run is None:
+            attempts.found(0)
+        if run is not None:
+            seconds = runs(run, now, (yield HORIZON))
+            attempts.found(len(seconds))
+            ends = [now]
+            for s in seconds:               # as the driver's clock adds them, step by step
+                ends.append(ends[-1] + s)
+            for delay in hops(ends):
+                end = yield delay
+            if end != ends[-1]:
+                raise RuntimeError(f"decode run: the clock reads {end!r}, not {ends[-1]!r}")
+            run.commit(ends, recorder)      # at the end, as each step finishes at its end
+            step_done(plan)
+            if check_integrity:
+                kv.check_integrity()
+            if on_step is not None:
+                on_step(plan, end)
+            now = end
+            continue
         observe(plan, scheduler)
         seconds, outputs = execute(plan)
         token_s = yield seconds
@@ -83,23 +106,6 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
         if on_step is not None:
             on_step(plan, end)
         now = end
-        run = decode_run(scheduler, plan) if runs is not None else None
-        if run is not None:
-            seconds = runs(run, now, (yield HORIZON))
-            if seconds:
-                ends = [now]
-                for s in seconds:           # as the driver's clock adds them, step by step
-                    ends.append(ends[-1] + s)
-                run.commit(ends, recorder)
-                if check_integrity:
-                    kv.check_integrity()
-                for delay in hops(ends):
-                    end = yield delay
-                if end != ends[-1]:
-                    raise RuntimeError(f"decode run: the clock reads {end!r}, not {ends[-1]!r}")
-                if on_step is not None:
-                    on_step(plan, end)
-                now = end
 
 
 def hops(ends: list) -> list:

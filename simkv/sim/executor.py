@@ -41,10 +41,11 @@ class CostModelExecutor:
 
     def run_seconds(self, run, now_s: float, horizon_s: float) -> list:
         """Seconds of a decode run's steps 1, 2, ... (simkv.engine.decode_run), each starting
-        where the one before ended, while a step starts before `horizon_s` (the next arrival or
-        cancellation) and for at most `run.max_steps`: what `execute` predicts for each step's
-        plan, the model's state advanced over them. A model with `decode_run_seconds` times
-        them in closed form; any other one step by step, from `run.plan_at`."""
+        where the one before ended, step 1 (scheduled) and each later one that starts before
+        `horizon_s` (the next arrival or cancellation), at most `run.max_steps`: what `execute`
+        predicts for each step's plan, the model's state advanced over them. A model with
+        `decode_run_seconds` times them in closed form; any other one step by step, from
+        `run.plan_at`."""
         shared = decode_run_shared_reads(run, self.kv)
         fast = getattr(self.cost_model, "decode_run_seconds", None)
         if fast is not None:
@@ -52,7 +53,7 @@ class CostModelExecutor:
         out = []
         predict = self._predict
         for k in range(1, run.max_steps + 1):
-            if now_s >= horizon_s:
+            if k > 1 and now_s >= horizon_s:
                 break
             plan = run.plan_at(k, now_s)
             plan.decode_shared_context_tokens, plan.decode_shared_block_tokens = shared(k)

@@ -35,20 +35,28 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
     prompt = req.prompt_tokens
     ids = req.prefix_ids
     pbt = req.prefix_block_tokens
+    if tokens is None:              # the simulator: trace ids, else keys unique to the request
+        rid, sample = req.request_id, seq.sample
+        append = hashes.append
+        while i < num_full_blocks:
+            last = (i + 1) * block_size - 1
+            if last < prompt and ids is not None and last // pbt < len(ids):
+                key = (ids[last // pbt], last)
+            elif last < prompt:
+                key = (_UNIQUE, rid, i)
+            else:
+                key = (_UNIQUE, rid, i, sample)
+            parent = hash((parent, key))
+            append(parent)
+            i += 1
+        return hashes
     while i < num_full_blocks:
         last = (i + 1) * block_size - 1
-        if tokens is not None:
-            key = tuple(tokens[i * block_size:last + 1])
-            if last >= prompt:
-                # Sampled tokens are the sample's own: equal greedy samples must not share
-                # blocks, or the engine would share what the simulator keeps apart.
-                key = (key, seq.sample)
-        elif last < prompt and ids is not None and last // pbt < len(ids):
-            key = (ids[last // pbt], last)
-        elif last < prompt:
-            key = (_UNIQUE, req.request_id, i)
-        else:
-            key = (_UNIQUE, req.request_id, i, seq.sample)
+        key = tuple(tokens[i * block_size:last + 1])
+        if last >= prompt:
+            # Sampled tokens are the sample's own: equal greedy samples must not share
+            # blocks, or the engine would share what the simulator keeps apart.
+            key = (key, seq.sample)
         parent = hash((parent, key))
         hashes.append(parent)
         i += 1

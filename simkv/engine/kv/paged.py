@@ -110,30 +110,36 @@ class PagedKVCacheManager:
     def is_free(self, block: int) -> bool:
         return block in self.pool.free_queue
 
-    def appends_in_place(self, seq: Sequence) -> bool:
-        """Whether the sequence's next decode tokens land in its own blocks: its table holds
-        exactly the blocks of its computed tokens, a partial tail block is its own (a shared
-        one is copied first) and, with prefix caching, its full blocks are registered. A
-        decode run (simkv.engine.decode_run) needs it of every sequence."""
-        computed, table, bs = seq.num_computed_tokens, seq.block_table, self.block_size
-        if len(table) != -(-computed // bs):
+    def appends_in_place(self, seq: Sequence, tokens: int) -> bool:
+        """Whether the sequence's decode tokens after its first `tokens` land in its own
+        blocks: its table holds exactly the blocks of `tokens` tokens, a partial tail block is
+        its own (a shared one is copied first) and, with prefix caching, its full blocks are
+        registered. A decode run (simkv.engine.decode_run) needs it of every sequence."""
+        table, bs = seq.block_table, self.block_size
+        if len(table) != -(-tokens // bs):
             return False
-        if self.enable_prefix_caching and seq.num_cached_blocks != computed // bs:
+        if self.enable_prefix_caching and seq.num_cached_blocks != tokens // bs:
             return False
-        return not computed % bs or self.pool.ref_cnt[table[-1]] == 1
+        return not tokens % bs or self.pool.ref_cnt[table[-1]] == 1
 
-    def append_decode_tokens(self, seqs: list, starts: list, steps: int) -> list:
-        """Slots for `steps` more tokens of each sequence, as `steps` decode steps of
-        `allocate_slots(seq, 1)` in `seqs` order would give them (each `appends_in_place`,
-        sequence i computing token starts[i] + k - 1 in step k, and enough free blocks):
-        a block where a token opens one, taken from the free queue in step order and then
-        sequence order; the blocks that fill registered (their hashes are the sequences' own,
-        so the order of registering does not matter). Returns the blocks taken in each step
-        (index 0 unused)."""
+    def append_decode_tokens(self, seqs: list, starts: list, steps: int,
+                             first_step: int = 1) -> list:
+        """Slots for the tokens of steps `first_step`..`steps` of a decode run, as those steps'
+        `allocate_slots(seq, 1)` in `seqs` order would give them (sequence i computing token
+        starts[i] + k - 1 in step k, each `appends_in_place` before `first_step`, enough free
+        blocks): a block where a token opens one, taken from the free queue in step order and
+        then sequence order; the blocks that fill registered (their hashes are the sequences'
+        own, so the order of registering does not matter). Returns the blocks taken in each
+        step (index 0 unused)."""
         bs = self.block_size
         opens = []
         for i, c in enumerate(starts):
-            opens.extend((k, i) for k in range((-c) % bs + 1, steps + 1, bs))
+            k = (-c) % bs + 1
+            while k < first_step:
+                k += bs
+            while k <= steps:
+                opens.append((k, i))
+                k += bs
         opened = [0] * (steps + 1)
         if opens:
             opens.sort()
@@ -238,9 +244,13 @@ class PagedKVCacheManager:
             return
         hashes = extend_block_hashes(seq, num_full, self.block_size)
         table = seq.block_table
-        cache = self.pool.cache
-        for i in range(seq.num_cached_blocks, num_full):
-            cache(table[i], hashes[i])
+        pool = self.pool
+        cached, block_hash = pool.cached, pool.block_hash
+        for i in range(seq.num_cached_blocks, num_full):    # pool.cache(block, h), inlined
+            block, h = table[i], hashes[i]
+            if h not in cached and block_hash[block] is None:
+                cached[h] = block
+                block_hash[block] = h
         seq.num_cached_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
