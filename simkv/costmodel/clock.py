@@ -260,10 +260,12 @@ class ClockedCostModel(TermModel):
                 now_s = now_s + out[-1]
                 continue
             flops = per_token * n + per_sample * n + per_pair * (context0 + n * k)
-            full = forward                          # full_clock
+            full = forward                          # full_clock; min/max as conditionals
             for _ in range(2):
-                tflops = flops / full / 1e12
-                settling = min(top, max(low, top - per_tflops * max(0.0, tflops - knee)))
+                above = flops / full / 1e12 - knee
+                settling = top - per_tflops * (above if above > 0.0 else 0.0)
+                settling = settling if settling > low else low
+                settling = settling if settling < top else top
                 full = forward / (1.0 + sensitivity * (top / settling - 1.0))
             if free_at is not None and now_s > free_at:     # ClockState.idle
                 gap = now_s - free_at

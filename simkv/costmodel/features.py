@@ -41,12 +41,13 @@ def annotate_shared_reads(plan, kv, running) -> None:
 
 def decode_run_shared_reads(run, kv):
     """`shared(k) -> (repeat tokens, first-repeat tokens)` of step k of a decode run
-    (simkv.engine.decode_run): what `annotate_shared_reads` sets on that step's plan. Every
-    running sequence decodes and no reference changes inside a run, so the KV manager's two
-    counts hold for all its steps and only the decode context moves."""
+    (simkv.engine.decode_run): what `annotate_shared_reads` sets on that step's plan, or None
+    when it sets nothing (no block is shared). Every running sequence decodes and no reference
+    changes inside a run, so the KV manager's two counts hold for all its steps and only the
+    decode context moves."""
     refs = kv.num_shared_block_refs if kv is not None else 0
     if not refs:
-        return _no_shared_reads
+        return None
     bs = kv.block_size
     repeats_cap, first_cap = refs * bs, kv.num_shared_blocks * bs
     context0, n = run.context_tokens - run.n, run.n
@@ -55,7 +56,3 @@ def decode_run_shared_reads(run, kv):
         repeats = min(context0 + n * k, repeats_cap)
         return repeats, min(repeats, first_cap)
     return shared
-
-
-def _no_shared_reads(k: int) -> tuple:
-    return 0, 0

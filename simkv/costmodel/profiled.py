@@ -265,7 +265,8 @@ class ProfiledCostModel(TermModel):
     def decode_run_values(self, run, shared):
         """(forward_values, around_values) of a decode run's steps k = 1, 2, ... (a generator;
         simkv.engine.decode_run): the same floats as for each step's plan, with only the decode
-        context, the longest one, the decode tail and the shared reads (`shared(k)`) moving."""
+        context, the longest one, the decode tail and the shared reads (`shared(k)`; None:
+        none) moving."""
         n = run.n
         layout = self.layout
         graph = n <= self._max_graph
@@ -278,25 +279,28 @@ class ProfiledCostModel(TermModel):
         tails = layout.decode_run_tail(run.starts, graph, self.block_size) if self._a_long \
             else None
         a_long = self._a_long
-        zeros = (self._a_pf * 0, self._a_ctx * 0, 0.0)
-        per_seq = (self._c_seq * n, 0.0, 0.0)
+        z_pairs, z_context = self._a_pf * 0, self._a_ctx * 0
+        per_seq = self._c_seq * n
         around = self.around_values(run.plan)      # the same n, no prefill, copy or swap
         context0 = run.context_tokens - n
-        k = 1
+        c_eager, host_floor = self._c_eager, self._h0 + self._h_seq * n
+        k, saving, tail = 1, 0.0, 0.0
         while True:
-            context = context0 + n * k
-            decode = per_token * context
-            saving = 0.0
-            repeats, first = shared(k)
-            if repeats:
-                saving = -per_token * (first_share * first + further_share * (repeats - first))
-            tail = a_long * next(tails) if tails is not None else 0.0
-            values = (linear, decode, saving, tail) + zeros + per_seq
+            decode = per_token * (context0 + n * k)
+            if shared is not None:
+                repeats, first = shared(k)
+                saving = -per_token * (first_share * first + further_share * (repeats - first)) \
+                    if repeats else 0.0
+            if tails is not None:
+                tail = a_long * next(tails)
             if graph:
-                yield values + (0.0, 0.0), around
+                yield (linear, decode, saving, tail, z_pairs, z_context, 0.0, per_seq, 0.0, 0.0,
+                       0.0, 0.0), around
             else:
-                floor = self._h0 + self._h_seq * n - math.fsum(values) - self._c_eager
-                yield values + (self._c_eager, max(0.0, floor)), around
+                values = (linear, decode, saving, tail, z_pairs, z_context, 0.0, per_seq, 0.0,
+                          0.0)
+                floor = host_floor - math.fsum(values) - c_eager
+                yield values + (c_eager, max(0.0, floor)), around
             k += 1
 
     def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:

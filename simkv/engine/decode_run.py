@@ -159,10 +159,11 @@ class DecodeRun:
 
 
 class RunAttempts:
-    """When to look for a decode run: after each plan, except after looks that found none
-    worth taking (a batch whose sequences finish every few steps), which back off: the next
-    look comes 1, 2, 4 ... 64 plans later, until one finds a run again. Looking costs a pass
-    over the batch; not looking only takes those steps one by one (the same results)."""
+    """When to look over a batch for a decode run: at each plan that only decodes, except after
+    looks that found none worth taking (a batch whose sequences finish every few steps), which
+    back off: the next look comes 1, 2, 4 ... 64 such plans later, until one finds a run
+    again. A look costs a pass over the batch; not looking only takes those steps one by one
+    (the same results)."""
 
     MAX_SKIP = 64
 
@@ -185,21 +186,26 @@ class RunAttempts:
             self.skip = self.backoff
 
 
-def decode_run(scheduler, plan: StepPlan) -> DecodeRun | None:
+def decode_run(scheduler, plan: StepPlan, attempts: RunAttempts | None = None) \
+        -> DecodeRun | None:
     """The run that `plan` (just scheduled) starts, or None when the steps after it may differ:
     it does more than decode every running sequence once, a sequence has fewer than
-    MIN_RUN_STEPS tokens to go, or a table does not hold exactly the
-    blocks of its tokens so far (its partial tail shared, or with prefix caching a full block
-    not registered), or the KV manager cannot say (the contiguous one)."""
+    MIN_RUN_STEPS tokens to go, or a table does not hold exactly the blocks of its tokens so far
+    (its partial tail shared, or with prefix caching a full block not registered), or the KV
+    manager cannot say (the contiguous one). `attempts` paces the looks that pass over the
+    batch (RunAttempts)."""
     if plan.num_prefill_seqs or not plan.scheduled or plan.preempted or plan.cancelled \
             or plan.rejected or plan.block_copies or plan.swap_out or plan.swap_in:
         return None
     if scheduler.num_running_seqs != len(plan.scheduled):
         return None
-    if min(item.seq.request.output_tokens - item.seq.num_output_tokens
-           for item in plan.scheduled) < MIN_RUN_STEPS:
-        return None
     appends = getattr(scheduler.kv, "appends_in_place", None)
-    if appends is None or not all(appends(item.seq, item.start + 1) for item in plan.scheduled):
+    if appends is None or (attempts is not None and not attempts.look()):
+        return None
+    if min(item.seq.request.output_tokens - item.seq.num_output_tokens
+           for item in plan.scheduled) < MIN_RUN_STEPS \
+            or not all(appends(item.seq, item.start + 1) for item in plan.scheduled):
+        if attempts is not None:
+            attempts.found(0)
         return None
     return DecodeRun(scheduler, plan)

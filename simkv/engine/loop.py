@@ -73,11 +73,7 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
                 return
             continue
         empty_in_a_row = 0
-        run = None
-        if runs is not None and attempts.look():
-            run = decode_run(scheduler, plan)
-            if run is None:
-                attempts.found(0)
+        run = decode_run(scheduler, plan, attempts) if runs is not None else None
         if run is not None:
             seconds = runs(run, now, (yield HORIZON))
             attempts.found(len(seconds))

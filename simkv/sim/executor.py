@@ -56,7 +56,8 @@ class CostModelExecutor:
             if k > 1 and now_s >= horizon_s:
                 break
             plan = run.plan_at(k, now_s)
-            plan.decode_shared_context_tokens, plan.decode_shared_block_tokens = shared(k)
+            if shared is not None:
+                plan.decode_shared_context_tokens, plan.decode_shared_block_tokens = shared(k)
             seconds = predict(plan)
             out.append(seconds)
             now_s = now_s + seconds
