@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import platform
 import pstats
 import subprocess
@@ -260,6 +261,15 @@ def clock_ab(scenario: Path, repeats: int) -> dict:
     return _ab("clock state", scn, {"clock": load_cost_model(scn), "fixed": fixed}, repeats)
 
 
+def _commit(checkout: Path) -> str:
+    """The checkout's commit (with '+changes' when its tracked files differ), or ''."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True,
+                              text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+changes" if head and git("status", "--porcelain", "-uno") else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", default="azure", choices=["azure", *BENCH_SCENARIOS])
@@ -284,7 +294,11 @@ def main() -> None:
     if needs is not None and not needs.exists():
         sys.exit(f"skipped: the shared trace is not at {needs}")
     meta = {"command": " ".join(sys.argv), "scenario": args.scenario,
-            "python": platform.python_version(), "machine": platform.machine()}
+            "date": time.strftime("%Y-%m-%d"), "commit": _commit(ROOT),
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count()}
+    if args.against is not None:
+        meta["other_commit"] = _commit(args.against)
     with tempfile.TemporaryDirectory() as tmp:
         scenario = BENCH_SCENARIOS.get(args.scenario) or Path(tmp, "azure.yaml")
         if args.scenario == "azure":
