@@ -117,7 +117,7 @@ class ClockState:
         self.mhz = self.level = self.model.max_mhz
         self.free_at_s = None         # when the last step ended
 
-    def _decays(self, dt: float) -> tuple:
+    def decays(self, dt: float) -> tuple:
         """(window, down, up) decay factors over `dt` seconds."""
         if dt == self.SLICE_S:
             return self._decay_window, self._decay_down, self._decay_up
@@ -126,7 +126,7 @@ class ClockState:
         return window, math.exp(-dt / m.tau_down_s), math.exp(-dt / m.tau_up_s)
 
     def _advance(self, target_mhz: float, dt: float) -> None:
-        window, down, up = self._decays(dt)
+        window, down, up = self.decays(dt)
         self.level = target_mhz + (self.level - target_mhz) * window
         decay = down if self.level < self.mhz else up
         self.mhz = self.level + (self.mhz - self.level) * decay
@@ -234,15 +234,15 @@ class ClockedCostModel(TermModel):
         spends most of its steps here; tests/test_decode_run.py compares the bytes)."""
         out = []
         steps = self.inner.decode_run_values(run, shared)
-        n, fsum, exp = run.n, math.fsum, math.exp
+        n, fsum = run.n, math.fsum
         per_token, per_sample, per_pair = self.counts
         context0 = run.context_tokens - n
         scale = self.scale
         c = self.clock
         top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
                                                     c.mhz_per_tflops, c.sensitivity)
-        tau_window, tau_down, tau_up = c.tau_window_s, c.tau_down_s, c.tau_up_s
         state = self.state
+        decays = state.decays
         dt = state.SLICE_S
         window, down, up = state._decay_window, state._decay_down, state._decay_up
         settled_after = state._settled_after_s
@@ -277,11 +277,7 @@ class ClockedCostModel(TermModel):
                         mhz = level + (mhz - level) * (down if level < mhz else up)
                         gap -= dt
                     if gap > 0:
-                        if gap == dt:
-                            w, d, u = window, down, up
-                        else:
-                            w = exp(-gap / tau_window) if tau_window else 0.0
-                            d, u = exp(-gap / tau_down), exp(-gap / tau_up)
+                        w, d, u = decays(gap)
                         level = top + (level - top) * w
                         mhz = level + (mhz - level) * (d if level < mhz else u)
             work, clocked = full * scale, 0.0       # ClockState.run_step
@@ -289,11 +285,7 @@ class ClockedCostModel(TermModel):
                 rate = 1.0 / (1.0 + sensitivity * (top / mhz - 1.0))
                 if work <= rate * dt:
                     piece = work / rate
-                    if piece == dt:
-                        w, d, u = window, down, up
-                    else:
-                        w = exp(-piece / tau_window) if tau_window else 0.0
-                        d, u = exp(-piece / tau_down), exp(-piece / tau_up)
+                    w, d, u = decays(piece)
                     level = settling + (level - settling) * w
                     mhz = level + (mhz - level) * (d if level < mhz else u)
                     clocked += piece
