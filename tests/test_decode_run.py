@@ -132,3 +132,43 @@ def test_hops_land_exactly_on_every_end_of_a_long_run():
         for delay in hops(ends[start:]):
             c = c + delay
         assert c == ends[-1]
+
+
+def test_a_run_plans_each_step_as_the_scheduler_would():
+    """Every step of every run, as `plan_at` gives it to a cost model without a closed form,
+    equals the scheduler's own plan of that step (items, counts and state snapshot)."""
+    from simkv.engine.decode_run import DecodeRun
+    scenario = with_overrides(load_scenario(ROOT / "scenarios" / "quickstart.yaml"),
+                              {"workload.limit": 150})
+    seen = {}
+
+    def fields(plan):
+        return ([(item.seq.seq_id, item.start, item.num_tokens, item.is_decode)
+                 for item in plan.scheduled], plan.num_decode_tokens, plan.decode_context_tokens,
+                plan.decode_max_context, plan.num_running, plan.num_waiting,
+                plan.kv_blocks_used, plan.kv_blocks_free)
+
+    commit = DecodeRun.commit
+
+    def record(run, ends, recorder):
+        for k in range(1, len(ends)):
+            seen[run.plan.step + k - 1] = fields(run.plan_at(k, ends[k - 1]))
+        return commit(run, ends, recorder)
+    DecodeRun.commit = record
+    try:
+        Simulation(scenario).run()
+    finally:
+        DecodeRun.commit = commit
+    exact = Simulation(scenario, exact=True)
+    schedule = exact.scheduler.schedule
+    planned = {}
+
+    def keep(now):
+        plan = schedule(now)
+        planned[plan.step] = fields(plan)
+        return plan
+    exact.scheduler.schedule = keep
+    exact.run()
+    assert len(seen) > 100
+    for step, got in seen.items():
+        assert got == planned[step], step

@@ -84,7 +84,7 @@ class DecodeRun:
 
     # -- the steps, as plans ------------------------------------------------------------------
     def plan_at(self, k: int, now_s: float) -> StepPlan:
-        """Step k of the run as the scheduler would plan it (the KV snapshot left out)."""
+        """Step k of the run as the scheduler would plan it, with its state snapshot."""
         if k == 1:
             return self.plan
         first = self.plan
@@ -93,6 +93,9 @@ class DecodeRun:
                          for seq, c in zip(self.seqs, self.starts)])
         plan.count_tokens()
         plan.num_running, plan.num_waiting = first.num_running, first.num_waiting
+        taken = self.blocks_taken(k)
+        plan.kv_blocks_used = first.kv_blocks_used + taken
+        plan.kv_blocks_free = first.kv_blocks_free - taken
         return plan
 
     # -- applying it --------------------------------------------------------------------------
