@@ -18,6 +18,7 @@ class BlockPool:
         self.cached: dict = {}            # hash -> block id
         self.num_cached_free = 0          # free blocks that still hold a hash
         self.num_evictions = 0            # cached blocks reallocated (their hash dropped)
+        self.num_removals = 0             # hashes dropped from the index (evicted or uncached)
         self.num_shared_refs = 0          # references beyond the first, over all blocks
         self.num_shared_blocks = 0        # blocks with more than one reference
 
@@ -40,6 +41,7 @@ class BlockPool:
                     block_hash[block] = None
             self.num_cached_free -= evicted
             self.num_evictions += evicted
+            self.num_removals += evicted
         for block in blocks:
             ref_cnt[block] = 1
         return blocks
@@ -100,6 +102,7 @@ class BlockPool:
         if h is not None:
             del self.cached[h]
             self.block_hash[block] = None
+            self.num_removals += 1
 
     def lookup(self, block_hash):
         return self.cached.get(block_hash)

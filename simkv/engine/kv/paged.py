@@ -44,6 +44,7 @@ class PagedKVCacheManager:
         self.host = HostPool(num_host_blocks)
         self.copies: list = []          # (src, dst) copy-on-write copies for this step
         self.seqs: dict = {}            # seq_id -> Sequence holding device or host blocks
+        self._lookup_memo = None        # (seq, blocks, pool removals, hits) of the last lookup
         # statistics
         self.num_cow_copies = 0
         self.swapped_out_blocks = 0
@@ -172,14 +173,24 @@ class PagedKVCacheManager:
             return (), 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq, max_blocks, self.block_size)
-        lookup = self.pool.cached.get
+        pool = self.pool
+        memo = self._lookup_memo
+        if memo is not None and memo[0] is seq and memo[1] == max_blocks \
+                and memo[2] == pool.num_removals:
+            # The same head of the queue asks again (memory is full): no hash left the index
+            # since, so its hits stand unless its first miss has been registered meanwhile.
+            hits = memo[3]
+            if len(hits) == max_blocks or hashes[len(hits)] not in pool.cached:
+                return list(hits), len(hits) * self.block_size
+        lookup = pool.cached.get
         hits = []
         for i in range(max_blocks):
             block = lookup(hashes[i])
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        self._lookup_memo = (seq, max_blocks, pool.num_removals, hits)
+        return list(hits), len(hits) * self.block_size
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks=(),
