@@ -38,9 +38,9 @@ class DecodeRun:
     sequence of the batch once.
 
     `seqs` (plan order), `starts` (c_i: the token each computes in step 1), `n`,
-    `context_tokens` and `max_context` (step 1's decode context, summed and longest; step k
-    adds n x (k - 1) and k - 1), `max_steps` (up to the step of the first sequence's last
-    token, cut where the pool's free blocks run out)."""
+    `context_tokens` (step 1's decode context, summed; step k adds n x (k - 1)), `max_steps`
+    (up to the step of the first sequence's last token, cut where the pool's free blocks run
+    out)."""
 
     def __init__(self, scheduler, plan: StepPlan):
         self.scheduler, self.plan = scheduler, plan
@@ -48,7 +48,6 @@ class DecodeRun:
         self.starts = [item.start for item in plan.scheduled]
         self.n = len(self.seqs)
         self.context_tokens = plan.decode_context_tokens
-        self.max_context = plan.decode_max_context
         self.block_size = scheduler.kv.block_size
         self.max_steps = self._max_steps()
 
@@ -73,14 +72,7 @@ class DecodeRun:
         """Blocks the batch takes in steps 2..`steps` (step 1's are taken): one where a token
         opens a block."""
         bs = self.block_size
-        total = 0
-        for c in self.starts:
-            first = (-c) % bs + 1        # the first step whose token opens a block
-            if first == 1:
-                first += bs
-            if steps >= first:
-                total += (steps - first) // bs + 1
-        return total
+        return sum(len(opening_steps(c, bs, 2, steps)) for c in self.starts)
 
     # -- the steps, as plans ------------------------------------------------------------------
     def plan_at(self, k: int, now_s: float) -> StepPlan:
@@ -148,17 +140,22 @@ class DecodeRun:
         bs = self.block_size
         counts: dict = {}
         for c, nb in zip(self.starts, tables):
-            k = 1
-            opens = (-c) % bs + 1
-            if opens == 1:               # step 1's block is in the table already
-                opens += bs
-            while opens <= m:            # steps k..opens-1 at nb blocks, then one more
+            k = 1                        # steps k..opens-1 at nb blocks, then one more
+            for opens in opening_steps(c, bs, 2, m):
                 counts[nb] = counts.get(nb, 0) + opens - k
                 nb += 1
                 k = opens
-                opens += bs
             counts[nb] = counts.get(nb, 0) + m - k + 1
         return counts
+
+
+def opening_steps(start: int, block_size: int, first_step: int, last_step: int) -> range:
+    """The steps of first_step..last_step of a decode run in which a sequence that computes
+    token `start` in step 1 (token start + k - 1 in step k) opens a block."""
+    k = (-start) % block_size + 1
+    if k < first_step:
+        k += -(-(first_step - k) // block_size) * block_size
+    return range(k, last_step + 1, block_size)
 
 
 class RunAttempts:

@@ -170,7 +170,8 @@ def requests_frame(requests) -> pd.DataFrame:
     return df.sort_values("request_id", kind="stable").reset_index(drop=True)
 
 
-def _family(values) -> dict:
+def latency_family(values) -> dict:
+    """{mean, p50, p90, p99} of the values that are not NaN (all None when there are none)."""
     values = np.asarray(values, dtype=np.float64)
     values = values[~np.isnan(values)]
     if not len(values):
@@ -236,12 +237,12 @@ def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, s
         "throughput_requests_per_s": len(completed) / duration,
         "throughput_output_tokens_per_s": float(
             (completed["output_tokens"] * _samples(scheduler, completed)).sum()) / duration,
-        "ttft_s": _family(completed["ttft_s"]),
-        "tpot_s": _family(completed["tpot_s"]),
-        "itl_s": _family(np.frombuffer(scheduler.itl_s, dtype=np.float64)
+        "ttft_s": latency_family(completed["ttft_s"]),
+        "tpot_s": latency_family(completed["tpot_s"]),
+        "itl_s": latency_family(np.frombuffer(scheduler.itl_s, dtype=np.float64)
                          if len(scheduler.itl_s) else []),
-        "e2e_s": _family(completed["e2e_s"]),
-        "queue_s": _family(completed["queue_s"]),
+        "e2e_s": latency_family(completed["e2e_s"]),
+        "queue_s": latency_family(completed["queue_s"]),
     }
     if slo:
         met = slo_met(completed, slo)

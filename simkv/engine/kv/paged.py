@@ -7,6 +7,7 @@ runs next does not (that is the scheduler's business).
 from __future__ import annotations
 
 from simkv.engine.kv.block_pool import BlockPool
+from simkv.engine.decode_run import opening_steps
 from simkv.engine.kv.hashing import extend_block_hashes
 from simkv.engine.request import Sequence
 
@@ -133,14 +134,8 @@ class PagedKVCacheManager:
         own, so the order of registering does not matter). Returns the blocks taken in each
         step (index 0 unused)."""
         bs = self.block_size
-        opens = []
-        for i, c in enumerate(starts):
-            k = (-c) % bs + 1
-            while k < first_step:
-                k += bs
-            while k <= steps:
-                opens.append((k, i))
-                k += bs
+        opens = [(k, i) for i, c in enumerate(starts)
+                 for k in opening_steps(c, bs, first_step, steps)]
         opened = [0] * (steps + 1)
         if opens:
             opens.sort()

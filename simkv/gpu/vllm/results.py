@@ -23,7 +23,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from simkv.engine.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from simkv.engine.metrics import REQUEST_COLUMNS, STEP_COLUMNS, latency_family
 
 NAN = math.nan
 
@@ -85,15 +85,10 @@ def steps_frame(steps: list, num_blocks: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=STEP_COLUMNS + ["t_s"])
 
 
-def latency_family(values) -> dict:
+def finite_latency_family(values) -> dict:
     """{mean, p50, p90, p99} of the finite values (all None when there are none)."""
     values = np.asarray(values, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    if not len(values):
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90),
-            "p99": float(p99)}
+    return latency_family(values[np.isfinite(values)])
 
 
 def pass_duration_s(records: list) -> float:
@@ -132,11 +127,11 @@ def summarize(records: list, steps: pd.DataFrame, *, num_blocks: int, block_size
         "wall_time_s": float(wall_time_s),
         "throughput_requests_per_s": len(completed) * per_s,
         "throughput_output_tokens_per_s": output * per_s,
-        "ttft_s": latency_family(completed["ttft_s"]),
-        "tpot_s": latency_family(completed["tpot_s"]),
-        "itl_s": latency_family(inter_token_latencies(
+        "ttft_s": finite_latency_family(completed["ttft_s"]),
+        "tpot_s": finite_latency_family(completed["tpot_s"]),
+        "itl_s": finite_latency_family(inter_token_latencies(
             [r for r in records if r["status"] == "completed"])),
-        "e2e_s": latency_family(completed["e2e_s"]),
+        "e2e_s": finite_latency_family(completed["e2e_s"]),
         "num_blocks": int(num_blocks),
         "vllm_num_gpu_blocks": vllm_num_gpu_blocks,
         "block_size": int(block_size),
