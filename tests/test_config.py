@@ -55,8 +55,12 @@ def test_quickstart_loads_with_its_model_gpu_workload_and_slos():
 
 def test_unset_keys_take_the_documented_defaults():
     scn = load_scenario(minimal())
-    assert scn.cache == CacheConfig()
-    assert scn.scheduler == SchedulerConfig(max_model_len=131072)
+    # the rules left null follow semantics vllm-0.26 (simkv.config.semantics)
+    assert scn.semantics == "vllm-0.26"
+    assert scn.cache == CacheConfig(null_block=True, duplicate_blocks=True)
+    assert scn.scheduler == SchedulerConfig(
+        max_model_len=131072, max_num_seqs=1024, max_num_batched_tokens=8192,
+        reserve_full_prompt=True, parallel_sampling="fanout", cap_output_tokens=True)
     assert (scn.gpu.name, scn.cost_model, scn.seed, scn.name) == ("h200", "auto", 0, "scenario")
 
 

@@ -27,6 +27,7 @@ TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
     "gpu_clock": (str, False),
     "step_time_scale": (float, False),
     "seed": (int, False),
+    "semantics": (str, False),
 }
 # `cost_model:` is a string (its source) or a mapping of these
 COST_MODEL_TYPES: dict[str, tuple[type, bool]] = {

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from simkv.config.keys import (EFFECTS, FREE_FORM, KEY_TYPES, SECTIONS, SLO_EXAMPLES, SLO_KEY,
                                TOP_LEVEL_TYPES, VALID_KEYS, apply_overrides, parse_set)
+from simkv.config import semantics as rules
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
 from simkv.config.validate import (CHOICES, COST_MODEL_KEYWORDS, GPU_CLOCK_CHOICES, Validator,
                                    check_against_model, check_ranges, check_workload,
@@ -39,6 +40,7 @@ class Scenario:
     step_time_scale: float = 1.0                # multiplies every predicted step time
     effects: tuple = EFFECTS                    # the cost model's layers on the fitted forward
     seed: int = 0
+    semantics: str = rules.DEFAULT_SEMANTICS    # vllm-0.26 | vllm-0.18 (simkv.config.semantics)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -148,9 +150,13 @@ def load_scenario(
     scheduler = v.section("scheduler", raw)
     workload = v.section("workload", raw)
     slo = _slo(v, raw)
+    model, gpu = _model_and_gpu(v, top, base_dir)
+    semantics = top.get("semantics", rules.DEFAULT_SEMANTICS)
+    if semantics not in rules.SEMANTICS:
+        v.fail("semantics", f"{semantics!r} is not one of {', '.join(rules.SEMANTICS)}")
+    rules.resolve(semantics, cache, scheduler, gpu)
     check_ranges(v, cache, scheduler, workload, top.get("seed", 0))
     check_workload(v, workload, base_dir)
-    model, gpu = _model_and_gpu(v, top, base_dir)
     gpu_clock, step_time_scale, cost_model, effects = _runtime_settings(v, top, raw, base_dir)
     check_against_model(v, scheduler, model)
     problem = fit_error(size_pool(model, gpu, cache, scheduler), scheduler.max_model_len)
@@ -166,6 +172,7 @@ def load_scenario(
         step_time_scale=step_time_scale,
         effects=effects,
         seed=top.get("seed", 0),
+        semantics=semantics,
         cache=cache,
         scheduler=scheduler,
         workload=workload,
@@ -199,6 +206,7 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "step_time_scale": scn.step_time_scale,
         "effects": list(scn.effects),
         "seed": scn.seed,
+        "semantics": scn.semantics,
         "cache": asdict(scn.cache),
         "scheduler": asdict(scn.scheduler),
         "workload": workload,

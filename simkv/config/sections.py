@@ -20,16 +20,25 @@ class CacheConfig:
     preemption_mode: str = "recompute"          # recompute | swap
     swap_space_gib: float = 4.0
     num_gpu_blocks_override: Optional[int] = None
+    # rules that follow `semantics:` when left null (simkv.config.semantics)
+    null_block: Optional[bool] = None           # one pool block kept as vLLM's null block
+    duplicate_blocks: Optional[bool] = None     # several blocks may be indexed under one hash
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: Optional[int] = None          # None = the semantics' default for the GPU
+    max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0       # 0 = no per-request cap beyond the budget
     max_model_len: Optional[int] = None         # None = the model's max_position_embeddings
     preemption_policy: str = "recent"           # recent (most recently admitted) | priority
+    policy: str = "fcfs"                        # fcfs | priority (admission order and victims)
+    max_loras: Optional[int] = None             # distinct adapters per step (None = no limit)
+    # rules that follow `semantics:` when left null (simkv.config.semantics)
+    reserve_full_prompt: Optional[bool] = None  # admit only when the whole prompt's blocks fit
+    parallel_sampling: Optional[str] = None     # fanout (n child requests) | fork
+    cap_output_tokens: Optional[bool] = None    # cap outputs at max_model_len; else reject
 
 
 @dataclass

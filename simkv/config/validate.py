@@ -15,6 +15,8 @@ CHOICES = {
     "cache.prefix_sharing_scope": ("tenant", "global"),
     "cache.preemption_mode": ("recompute", "swap"),
     "scheduler.preemption_policy": ("recent", "priority"),
+    "scheduler.policy": ("fcfs", "priority"),
+    "scheduler.parallel_sampling": ("fanout", "fork"),
     "workload.format": ("auto", "azure", "mooncake", "burstgpt", "csv"),
 }
 COST_MODEL_KEYWORDS = ("auto", "profile", "roofline")
@@ -121,6 +123,7 @@ def check_ranges(v: Validator, cache: CacheConfig, scheduler: SchedulerConfig,
     v.positive("scheduler.long_prefill_token_threshold", scheduler.long_prefill_token_threshold,
                allow_zero=True)
     v.positive("scheduler.max_model_len", scheduler.max_model_len)
+    v.positive("scheduler.max_loras", scheduler.max_loras)
     v.positive("workload.time_scale", workload.time_scale)
     v.positive("workload.limit", workload.limit)
     v.positive("seed", seed, allow_zero=True)

@@ -19,7 +19,8 @@ def build_kv_manager(scenario, sizing=None):
                                         num_host_blocks=sizing.num_host_blocks)
     return PagedKVCacheManager(sizing.num_blocks, cache.block_size,
                                enable_prefix_caching=cache.enable_prefix_caching,
-                               watermark=cache.watermark, num_host_blocks=sizing.num_host_blocks)
+                               watermark=cache.watermark, num_host_blocks=sizing.num_host_blocks,
+                               duplicate_blocks=bool(cache.duplicate_blocks))
 
 
 def build_scheduler(scenario):

@@ -67,6 +67,11 @@ class Request:
     cancel_after_s: float = math.nan  # after arrival; NaN = never
     priority: int = 0                 # lower value = more important (vLLM's convention)
     prompt_token_ids: Optional[list] = None  # real engine only
+    parent_request_id: int = -1       # the earlier turn this prompt continues (-1: none)
+    parent: Optional["Request"] = None  # that turn: this prompt = its prompt + output + more
+    mm_spans: Optional[tuple] = None  # ((offset, length, key), ...): multimodal items' tokens
+    sample: int = 0                   # a fanned-out child's index (its sequence's sample)
+    group: Optional["Request"] = None  # a fanned-out child's request, whose row it shares
 
     status: RequestStatus = RequestStatus.WAITING
     seqs: list = field(default_factory=list)   # live sequences (not finished)
@@ -81,6 +86,9 @@ class Request:
     lost_tokens: int = 0              # computed tokens discarded by recompute preemption
     recomputed_tokens: int = 0        # discarded tokens computed again (not re-hit in the cache)
     reason: str = ""                  # why rejected
+    capped_tokens: int = 0            # output tokens cut so as to end at max_model_len
+    children: Optional[list] = None   # a fanned-out request's child requests
+    tpot_s: float = math.nan          # a fanned-out request's: its children's mean
 
     @property
     def max_tokens(self) -> int:

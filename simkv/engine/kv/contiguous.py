@@ -110,8 +110,9 @@ class ContiguousKVCacheManager:
         self._reserved -= length
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks=(),
-                       admission: bool = False) -> bool:
-        """Reserve a slab on the first allocation; later growth stays inside it."""
+                       admission: bool = False, reserve_tokens: int = 0) -> bool:
+        """Reserve a slab on the first allocation; later growth stays inside it (a slab holds
+        max_model_len tokens, so `reserve_tokens` always fits once one is found)."""
         end = seq.num_computed_tokens + num_new_tokens
         needed = -(-end // self.block_size)
         res = self.reservations.get(seq.seq_id)

@@ -42,9 +42,10 @@ class KVManager(Protocol):
     def prefix_lookup(self, seq) -> tuple: ...
 
     def allocate_slots(self, seq, num_new_tokens: int, cached_blocks=(),
-                       admission: bool = False) -> bool:
+                       admission: bool = False, reserve_tokens: int = 0) -> bool:
         """All or nothing: slots for `num_new_tokens` more tokens of `seq`, or False and no
-        change."""
+        change; with `reserve_tokens`, free blocks for its first `reserve_tokens` tokens must
+        exist too (only the asked-for slots are taken)."""
 
     # -- lifetime -----------------------------------------------------------------------------
     def fork(self, parent, child, num_tokens: int | None = None) -> None: ...

@@ -36,11 +36,13 @@ class PagedKVCacheManager:
     KVManager protocol, simkv.engine.kv.interface)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.0, num_host_blocks: int = 0):
+                 watermark: float = 0.0, num_host_blocks: int = 0,
+                 duplicate_blocks: bool = False):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
+        self.duplicate_blocks = duplicate_blocks   # several blocks indexed under one hash
         self.pool = BlockPool(num_blocks)
         self.host = HostPool(num_host_blocks)
         self.copies: list = []          # (src, dst) copy-on-write copies for this step
@@ -189,12 +191,14 @@ class PagedKVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks=(),
-                       admission: bool = False) -> bool:
+                       admission: bool = False, reserve_tokens: int = 0) -> bool:
         """Give `seq` slots for its cached blocks plus `num_new_tokens` more; all or nothing.
 
         `cached_blocks` come from `prefix_lookup` (only on admission). With `admission`, the
-        watermark's blocks must stay free afterwards. Returns False and changes nothing when the
-        pool cannot serve the request.
+        watermark's blocks must stay free afterwards. With `reserve_tokens`, the free blocks
+        must also cover the sequence's first `reserve_tokens` tokens (its whole prompt: the
+        full-prompt admission gate), though only the slots asked for are taken. Returns False
+        and changes nothing when the pool cannot serve the request.
         """
         bs = self.block_size
         table = seq.block_table
@@ -217,6 +221,8 @@ class PagedKVCacheManager:
         cow = bool(table) and start % bs != 0 and num_new_tokens > 0 \
             and pool.ref_cnt[table[-1]] > 1
         need = num_new_blocks + cow
+        if reserve_tokens > end:
+            need += max(0, -(-reserve_tokens // bs) - max(-(-end // bs), len(table) + num_cached))
         if need or num_cached:
             available = len(pool.free_queue)
             if num_cached:
