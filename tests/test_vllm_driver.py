@@ -217,3 +217,118 @@ def test_a_recorded_vllm_pass_parses_to_consistent_files():
     assert steps["kv_blocks_used"].between(0, data["usable_blocks"]).all()
     assert (steps["duration_s"] > 0).all() and steps["t_s"].is_monotonic_increasing
     assert steps["num_prefill_tokens"].iloc[0] > 0   # the first step prefills
+
+
+# -- vLLM's step profile (simkv.gpu.vllm.step_profile: the CPU half) -------------------------
+
+from simkv.gpu.vllm import step_profile as sp  # noqa: E402
+
+
+def _logged(steps, t0=0.0, period=lambda s: 0.01):
+    """Stat-logger records of predicted steps, the engine core's clock advancing by `period`."""
+    out, t = [], t0
+    for s in steps:
+        t += period(s)
+        out.append({"t_s": t + 0.001, "core_t_s": t, "num_running": 0, "num_waiting": 0,
+                    "kv_cache_usage": 0.0, "num_preempted": 0,
+                    "num_prefill_tokens": s.num_prefill_tokens,
+                    "num_decode_tokens": len(s.decodes), "elapsed_ms": 0.05})
+    return out
+
+
+def test_a_decode_ladder_halves_its_batch_every_stage_after_the_last_prefill():
+    reqs = sp.ladder_requests(1024, 256, 8192)
+    steps = sp.predict(reqs, 8192)
+    decode_only = [len(s.decodes) for s in steps if not s.chunks]
+    assert decode_only == [b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1)
+                           for _ in range(sp.STAGE_STEPS)]
+    assert sum(s.num_prefill_tokens for s in steps) == 256 * 1024
+    assert all(s.num_prefill_tokens + len(s.decodes) <= 8192 for s in steps)
+    # the decodes run before the prompts: a prefill step takes what they leave of the budget
+    assert all(s.num_prefill_tokens == 8192 - len(s.decodes) for s in steps
+               if s.chunks and s is not [x for x in steps if x.chunks][-1])
+
+
+def test_a_replayed_log_gives_each_chunk_its_start_and_each_decode_its_context():
+    reqs = [(10000, 3), (300, 2)]
+    steps, note = sp.reconstruct(reqs, _logged(sp.predict(reqs, 8192)))
+    assert note is None
+    assert [s.chunks for s in steps] == [[(0, 0, 8192)], [(0, 8192, 1808), (1, 0, 300)], [], []]
+    assert [s.decodes for s in steps] == [[], [], [(0, 10001), (1, 301)], [(0, 10002)]]
+    f = sp.step_features(steps[1])
+    assert f["num_prefill_tokens"] == 2108 and f["num_prefill_seqs"] == 2
+    assert f["prefill_context_tokens"] == 10000 + 300
+    assert f["prefill_attention_pairs"] == 1808 * 8192 + 1808 * 1809 // 2 + 300 * 301 // 2
+    f = sp.step_features(steps[2])
+    assert (f["num_decode_seqs"], f["decode_context_tokens"], f["decode_max_context"]) == \
+        (2, 10302, 10001)
+
+
+def test_a_replay_stops_at_the_first_step_whose_decodes_disagree():
+    reqs = [(100, 4), (100, 4)]
+    log = _logged(sp.predict(reqs, 8192))
+    log[2]["num_decode_tokens"] = 1                  # e.g. a request aborted by its client
+    steps, note = sp.reconstruct(reqs, log)
+    assert len(steps) == 2 and note.startswith("step 3: 1 decodes logged, 2 replayed")
+
+
+def test_profile_rows_time_steps_by_the_engine_cores_period_and_group_a_stage():
+    reqs = sp.ladder_requests(512, 4, 8192, stage_steps=5)
+    steps = sp.predict(reqs, 8192)
+    log = _logged(steps, 100.0, lambda s: 0.2 if s.chunks else 0.005 * (1 + len(s.decodes)))
+    phase = {"name": "decode-c512-b4", "requests": [list(r) for r in reqs], "steps": log}
+    rows, summary = sp.phase_rows(phase, 16, [1, 2, 4], [1, 2, 4, 8])
+    assert summary["stopped"] is None and summary["clock"] == "core_t_s"
+    decode = [r for r in rows if r["family"] == "decode"]
+    assert [(r["num_decode_seqs"], r["reps"]) for r in decode] == [(4, 5), (2, 5), (1, 5)]
+    assert [r["time_s"] for r in decode] == pytest.approx([0.025, 0.015, 0.010])
+    assert all(r["graph"] == 1 for r in decode)
+    # the phase's first step (after idle) has no period: the single prefill step is left out
+    assert not [r for r in rows if r["family"] != "decode"]
+    # an empty step between two steps voids the period of the second
+    log.insert(3, dict(log[2], num_prefill_tokens=0, num_decode_tokens=0))
+    rows2, _ = sp.phase_rows(dict(phase, steps=log), 16, [1, 2, 4], [1, 2, 4, 8])
+    assert rows2[0]["reps"] == 4
+
+
+def test_a_graphed_step_follows_vllms_captured_sizes():
+    decode = {"num_prefill_tokens": 0, "num_decode_tokens": 300, "num_decode_seqs": 300}
+    mixed = {"num_prefill_tokens": 400, "num_decode_tokens": 100, "num_decode_seqs": 100}
+    assert sp.graphed(decode, [1, 2, 256], [1, 512]) == 0
+    assert sp.graphed(dict(decode, num_decode_tokens=256, num_decode_seqs=256),
+                      [1, 2, 256], [1, 512]) == 1
+    assert sp.graphed(mixed, [1, 256], [1, 512]) == 1
+    assert sp.graphed(dict(mixed, num_prefill_tokens=413), [1, 256], [1, 512]) == 0
+
+
+def test_a_raw_step_profile_builds_a_profile_that_simkv_fits(tmp_path):
+    from simkv.fitting.profile import fit_profile
+
+    def period(s):        # a made-up engine: linear layers by tokens, attention by context
+        f = sp.step_features(s)
+        return (0.005 + 2e-5 * (f["num_prefill_tokens"] + f["num_decode_tokens"])
+                + 3e-9 * f["prefill_attention_pairs"] + 4e-8 * f["decode_context_tokens"])
+
+    phases, t = [], 0.0
+    for spec in (("ladder", 1024, 64), ("ladder", 8192, 8), ("burst", 1000, 30)):
+        reqs = (sp.ladder_requests(spec[1], spec[2], 8192, stage_steps=4) if spec[0] == "ladder"
+                else sp.burst_requests(spec[1], spec[2]))
+        log = _logged(sp.predict(reqs, 8192), t, period)
+        t = log[-1]["core_t_s"] + 1.0
+        phases.append({"name": sp.phase_name(spec), "requests": [list(r) for r in reqs],
+                       "steps": log, "wall_s": 1.0})
+    raw = {"format": sp.RAW_FORMAT, "phases": phases, "meta": {
+        "model": "llama-3.1-8b", "gpu": "h200", "date": "2026-12-02T00:00:00+00:00",
+        "command": "python -m simkv.gpu.vllm.step_profile measure X --out Y",
+        "versions": {"vllm": "0.26.0"}, "vllm_num_gpu_blocks": 56057, "sm_count": 132,
+        "engine_kwargs": {"block_size": 16, "max_num_seqs": 256, "max_model_len": 131072},
+        "full_graph_sizes": [1, 2, 4] + list(range(8, 257, 8)),
+        "piecewise_graph_sizes": [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))}}
+    meta = sp.build_profile(raw, tmp_path)
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert len(steps) == meta["rows"] > 20 and set(steps["family"]) == {"decode", "mixed",
+                                                                         "prefill"}
+    assert all(p["stopped"] is None for p in meta["phases"])
+    fit = fit_profile(tmp_path)
+    assert fit["block_sizes"] == [16] and "engine_host" not in fit
+    assert fit["holdout_error"]["median"] < 0.05
