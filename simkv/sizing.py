@@ -8,11 +8,13 @@ when one exists (`source: "profile"`), else from the estimate below (`source: "e
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from simkv.config import semantics as rules
 from simkv.specs import GpuSpec, ModelSpec, profiles_dir
 from simkv.errors import InputError, read_json_object
 
@@ -110,6 +112,8 @@ class Sizing:
     ledger: dict[str, Any] = field(default_factory=dict)
     num_host_blocks: int = 0       # blocks of host swap space (cache.swap_space_gib)
     ledger_file: Optional[str] = None  # the measured ledger used (source "profile")
+    num_gpu_blocks: Optional[int] = None  # with cache.null_block: the pool as vLLM counts it,
+                                          # num_blocks + its null block
 
     @property
     def needed_bytes(self) -> int:
@@ -117,8 +121,12 @@ class Sizing:
         return self.weights_bytes + self.activation_bytes + self.other_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON-serialisable), keys as `simkv size --json`."""
-        return asdict(self)
+        """Plain dict (JSON-serialisable), keys as `simkv size --json` (num_gpu_blocks only
+        with a null block)."""
+        out = asdict(self)
+        if self.num_gpu_blocks is None:
+            del out["num_gpu_blocks"]
+        return out
 
 
 def seq_blocks(num_tokens: int, block_size: int) -> int:
@@ -227,8 +235,13 @@ def size_pool(
     """Size the KV pool of `model` on `gpu` (all figures in bytes unless named otherwise).
 
     Never raises for a model that does not fit: kv_pool_bytes goes negative and num_blocks to 0;
-    use `fit_error` to turn that into a message.
+    use `fit_error` to turn that into a message. Rules left null (a config built in code, not
+    loaded from a scenario) take semantics vllm-0.26's values.
     """
+    if scheduler.max_num_seqs is None or scheduler.max_num_batched_tokens is None \
+            or cache.null_block is None:
+        cache, scheduler = copy.copy(cache), copy.copy(scheduler)
+        rules.resolve(rules.DEFAULT_SEMANTICS, cache, scheduler, gpu)
     bytes_per_token = model.kv_bytes_per_token(cache.kv_dtype)
     bytes_per_block = bytes_per_token * cache.block_size
     budget = memory_budget_bytes(gpu, cache)
@@ -255,6 +268,15 @@ def size_pool(
     else:
         num_blocks = max(0, kv_pool // bytes_per_block)
     kv_blocks = num_blocks * bytes_per_block
+    num_gpu_blocks = None
+    if cache.null_block:
+        # vLLM's block pool keeps block 0 as the null block, never handed out
+        # (vllm/v1/core/block_pool.py, BlockPool.__init__): the usable blocks are one fewer.
+        # The override counts usable blocks (vLLM's own flag would be one more).
+        if cache.num_gpu_blocks_override is not None:
+            num_gpu_blocks = num_blocks + 1
+        else:
+            num_gpu_blocks, num_blocks = num_blocks, max(0, num_blocks - 1)
 
     # Parts that add up to the device total: what the runtime holds, the KV blocks, the pool's
     # remainder that does not make a whole block, and the memory outside the budget.
@@ -274,7 +296,7 @@ def size_pool(
         other_bytes=other, kv_pool_bytes=kv_pool, num_blocks=num_blocks,
         max_cached_tokens=num_blocks * cache.block_size, source=source, ledger=ledger,
         num_host_blocks=int(cache.swap_space_gib * GIB) // bytes_per_block,
-        ledger_file=ledger_file,
+        ledger_file=ledger_file, num_gpu_blocks=num_gpu_blocks,
     )
 
 

@@ -43,7 +43,7 @@ def test_satisfied_checks_exit_0_and_write_junit(tmp_path, capsys):
 
 
 def test_a_violated_check_exits_1_naming_metric_bound_and_value(tmp_path, capsys):
-    path = write_checks(tmp_path, '{"ttft_s.p90": "<= 0.000001", num_blocks: ">= 1000"}')
+    path = write_checks(tmp_path, '{"ttft_s.p90": "<= 0.000001", num_blocks: ">= 100"}')
     assert check_command(path, tmp_path / "out" / "junit.xml") == 1
     out = capsys.readouterr().out
     assert "FAIL  tiny check" in out

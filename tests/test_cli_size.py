@@ -45,7 +45,8 @@ def test_size_json_reports_llama_8b_at_block_16(specs_only):
     assert out["source"] == "estimate"
     assert out["kv_pool_bytes"] == (out["memory_budget_bytes"] - out["weights_bytes"]
                                     - out["activation_bytes"] - out["other_bytes"])
-    assert out["num_blocks"] == out["kv_pool_bytes"] // out["bytes_per_block"]
+    assert out["num_gpu_blocks"] == out["kv_pool_bytes"] // out["bytes_per_block"]
+    assert out["num_blocks"] == out["num_gpu_blocks"] - 1       # vLLM's null block
     assert out["max_cached_tokens"] == out["num_blocks"] * 16
 
 
@@ -53,7 +54,7 @@ def test_size_json_with_fp8_halves_the_block_and_roughly_doubles_the_blocks():
     bf16 = size_json("--model", "llama-3.1-8b")
     fp8 = size_json("--model", "llama-3.1-8b", "--kv-dtype", "fp8")
     assert fp8["bytes_per_block"] == bf16["bytes_per_block"] // 2 == 1024 * 1024
-    assert fp8["num_blocks"] in (2 * bf16["num_blocks"], 2 * bf16["num_blocks"] + 1)
+    assert fp8["num_gpu_blocks"] in (2 * bf16["num_gpu_blocks"], 2 * bf16["num_gpu_blocks"] + 1)
 
 
 def test_size_json_with_an_explicit_budget():
@@ -64,7 +65,8 @@ def test_size_json_with_an_explicit_budget():
 def test_size_uses_the_committed_h200_profile():
     out = size_json("--model", "llama-3.1-8b", "--block-size", "16")
     assert out["source"] == "profile"
-    assert out["num_blocks"] == out["kv_pool_bytes"] // out["bytes_per_block"]
+    assert out["num_gpu_blocks"] == out["kv_pool_bytes"] // out["bytes_per_block"]
+    assert out["num_blocks"] == out["num_gpu_blocks"] - 1
 
 
 def test_size_prints_a_table_without_json(specs_only):

@@ -232,7 +232,14 @@ def test_swap_preemption_needs_swap_space():
 
 def test_token_budget_below_max_num_seqs_is_rejected():
     assert "scheduler.max_num_batched_tokens: 128 is smaller than scheduler.max_num_seqs (256)" in (
-        error_of(minimal(scheduler={"max_num_batched_tokens": 128})))
+        error_of(minimal(scheduler={"max_num_batched_tokens": 128, "max_num_seqs": 256})))
+
+
+def test_a_default_max_num_seqs_is_capped_at_the_token_budget():
+    """vllm/engine/arg_utils.py, EngineArgs._set_default_max_num_seqs_and_batched_tokens_args:
+    a defaulted max_num_seqs is at most max_num_batched_tokens."""
+    scn = load_scenario(minimal(scheduler={"max_num_batched_tokens": 128}))
+    assert (scn.scheduler.max_num_seqs, scn.scheduler.max_num_batched_tokens) == (128, 128)
 
 
 def test_without_chunked_prefill_the_token_budget_must_cover_max_model_len():
@@ -289,7 +296,7 @@ def test_unknown_model_and_gpu_name_the_key_and_suggest():
 
 def test_a_model_too_big_for_the_budget_says_what_it_needs():
     message = error_of(minimal(model="llama-3.1-70b", gpu="h100"))
-    assert "llama-3.1-70b needs 136.4 GiB" in message and "budget is 71.7 GiB" in message
+    assert "llama-3.1-70b needs 138.5 GiB" in message and "budget is 71.7 GiB" in message
 
 
 def test_a_pool_smaller_than_max_model_len_is_rejected():

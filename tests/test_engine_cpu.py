@@ -63,8 +63,10 @@ def scenario(**overrides):
 
 
 TIGHT = {"cache.num_gpu_blocks_override": 24, "cache.enable_prefix_caching": True}
+FORK = {"scheduler.parallel_sampling": "fork"}     # semantics vllm-0.18's forks
 CONFIGS = {
     "ample": {},
+    "forked": FORK,
     "prefix_caching": {"cache.enable_prefix_caching": True},
     "tight_recompute": TIGHT,
     "tight_swap": {**TIGHT, "cache.preemption_mode": "swap"},
@@ -122,7 +124,12 @@ def test_swap_preemption_leaves_greedy_tokens_unchanged(runs):
 
 
 def test_forked_samples_copy_their_shared_tail_block(runs):
-    assert runs["ample"].result.summary["cow_copies"] > 0
+    assert runs["forked"].result.summary["cow_copies"] > 0
+    assert runs["ample"].result.summary["cow_copies"] == 0     # fanned out: nothing shared
+
+
+def test_forks_and_fanned_out_children_sample_the_same_greedy_tokens(runs):
+    assert runs["forked"].tokens == runs["ample"].tokens
 
 
 def test_nothing_leaks(runs):
@@ -146,7 +153,7 @@ def test_poisoning_turns_a_missed_copy_on_write_into_an_error(monkeypatch):
     from simkv.engine.kv.paged import PagedKVCacheManager
     monkeypatch.setattr(PagedKVCacheManager, "take_copies", lambda self: [])
     with pytest.raises(FloatingPointError):
-        run_offline(scenario(), workload(), dtype=torch.float64, attention="reference",
+        run_offline(scenario(**FORK), workload(), dtype=torch.float64, attention="reference",
                     poison=True)
 
 

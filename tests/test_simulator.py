@@ -111,11 +111,12 @@ def test_python_api_and_overrides():
     assert set(LATENCY_KEYS) <= set(res.summary)
 
 
-def test_cancellations_and_forks_end_cleanly():
+@pytest.mark.parametrize("sampling", ["fork", "fanout"])
+def test_cancellations_and_parallel_samples_end_cleanly(sampling):
     scn = simkv.load_scenario({
         "name": "mixed", "model": "llama-3.2-1b", "gpu": "h200",
         "cache": {"block_size": 16, "num_gpu_blocks_override": 400},
-        "scheduler": {"max_model_len": 4096, "max_num_seqs": 64},
+        "scheduler": {"max_model_len": 4096, "max_num_seqs": 64, "parallel_sampling": sampling},
         "workload": {"synthetic": {
             "num_requests": 300, "arrival": {"process": "gamma", "rate": 40, "cv": 3},
             "prompt_tokens": {"dist": "lognormal", "mean": 600, "sigma": 0.8, "max": 3000},
@@ -127,8 +128,11 @@ def test_cancellations_and_forks_end_cleanly():
     s = res.summary
     assert s["requests_completed"] + s["requests_cancelled"] + s["requests_rejected"] == 300
     assert s["requests_cancelled"] > 0
-    assert s["cow_copies"] > 0
-    assert s["leaked_blocks"] == 0
+    if sampling == "fork":          # forks share a partial tail and copy it
+        assert s["cow_copies"] > 0
+    else:                           # children share the prompt through the prefix cache only
+        assert s["cow_copies"] == 0 and s["cached_tokens"] > 0
+    assert (res.requests["output_tokens"] > 0).any() and s["leaked_blocks"] == 0
 
 
 def test_run_writes_results_and_reports_bad_override(tmp_path):

@@ -19,9 +19,17 @@ from simkv.specs import bundled_gpus, bundled_models, load_gpu, load_model, prof
 from simkv.errors import InputError
 
 
+# the limits the committed H200 ledgers were measured at (semantics vllm-0.18's defaults)
+MEASURED = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+
+
+def limits(**knobs) -> SchedulerConfig:
+    return SchedulerConfig(**{**MEASURED, **knobs})
+
+
 def sizing(model="llama-3.1-8b", gpu="h200", cache=None, scheduler=None):
     return size_pool(load_model(model), load_gpu(gpu), cache or CacheConfig(),
-                     scheduler or SchedulerConfig())
+                     scheduler or limits())
 
 
 # --- the seeds of the Foundation issue ---------------------------------------------------------
@@ -76,7 +84,9 @@ def test_the_fitting_pairs_include_the_expected_extremes():
 def test_num_blocks_is_the_pool_divided_by_block_bytes(model, gpu):
     s = sizing(model, gpu)
     assert s.kv_pool_bytes == s.memory_budget_bytes - s.weights_bytes - s.activation_bytes - s.other_bytes
-    assert s.num_blocks == s.kv_pool_bytes // s.bytes_per_block
+    # one of the pool's blocks is vLLM's null block (semantics vllm-0.26)
+    assert s.num_gpu_blocks == s.kv_pool_bytes // s.bytes_per_block
+    assert s.num_blocks == s.num_gpu_blocks - 1
     assert s.max_cached_tokens == s.num_blocks * s.block_size
 
 
@@ -127,16 +137,16 @@ def test_swap_mode_reserves_the_staging_that_exceeds_the_forward_workspace(profi
 
 def test_estimated_activation_grows_with_the_token_budget(monkeypatch):
     monkeypatch.setattr("simkv.sizing.read_profile_ledger", lambda model, gpu: None)
-    small = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=2048))
-    large = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=16384))
+    small = sizing(scheduler=limits(max_num_batched_tokens=2048))
+    large = sizing(scheduler=limits(max_num_batched_tokens=16384))
     assert large.activation_bytes > small.activation_bytes
     assert small.source == large.source == "estimate"
     # the graph pool grows with the captured mixed-step graphs (their logits and segments),
     # which stop at 2,048 tokens
-    fewer = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    fewer = sizing(scheduler=limits(max_num_batched_tokens=512))
     assert fewer.other_bytes < small.other_bytes == large.other_bytes
     assert large.other_bytes == (768 + 256) * MIB + estimate_graph_pool_bytes(
-        load_model("llama-3.1-8b"), SchedulerConfig(max_num_batched_tokens=16384))
+        load_model("llama-3.1-8b"), limits(max_num_batched_tokens=16384))
 
 
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-3.2-1b"])
@@ -144,7 +154,7 @@ def test_the_graph_pool_estimate_is_within_ten_percent_of_the_measured_pools(mod
     # the committed H200 ledgers measured the serving engine's graph pool at the defaults
     ledger = json.loads((profiles_dir() / "h200" / model / "ledger.json").read_text())
     measured = ledger["other_parts"]["cuda_graph_pool_bytes"]
-    estimate = estimate_graph_pool_bytes(load_model(model), SchedulerConfig())
+    estimate = estimate_graph_pool_bytes(load_model(model), limits())
     assert abs(estimate - measured) <= 0.10 * measured
 
 
@@ -157,7 +167,7 @@ def test_to_dict_has_the_keys_of_size_json():
         "model", "gpu", "block_size", "kv_dtype", "bytes_per_token", "bytes_per_block",
         "memory_budget_bytes", "weights_bytes", "activation_bytes", "other_bytes",
         "kv_pool_bytes", "num_blocks", "max_cached_tokens", "source", "ledger", "num_host_blocks",
-        "ledger_file",
+        "ledger_file", "num_gpu_blocks",
     ]
 
 
@@ -209,7 +219,7 @@ def write_ledger(profiles, **values):
 
 def test_a_profile_ledger_replaces_the_estimate(profiles):
     write_ledger(profiles)
-    s = sizing(scheduler=SchedulerConfig(max_num_batched_tokens=1000))
+    s = sizing(scheduler=limits(max_num_batched_tokens=1000))
     assert s.source == "profile"
     assert s.weights_bytes == 16 * GIB
     assert s.activation_bytes == 200 * MIB + 1000 * 100_000
@@ -234,11 +244,11 @@ def test_a_profiled_graph_pool_follows_the_scenarios_graph_sizes():
     # the committed ledger measured the pool of an engine with 256 sequences and 8,192 batched
     # tokens; an engine with max_num_seqs 16 captures fewer, smaller graphs
     default = sizing()
-    small = sizing(scheduler=SchedulerConfig(max_num_seqs=16))
+    small = sizing(scheduler=limits(max_num_seqs=16))
     assert default.source == small.source == "profile"
     model = load_model("llama-3.1-8b")
-    fewer = (estimate_graph_pool_bytes(model, SchedulerConfig())
-             - estimate_graph_pool_bytes(model, SchedulerConfig(max_num_seqs=16)))
+    fewer = (estimate_graph_pool_bytes(model, limits())
+             - estimate_graph_pool_bytes(model, limits(max_num_seqs=16)))
     assert fewer > 0.5 * GIB
     assert default.other_bytes - small.other_bytes == fewer
     assert default.ledger["cuda_graph_pool_bytes"] - small.ledger["cuda_graph_pool_bytes"] == fewer

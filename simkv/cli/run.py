@@ -19,12 +19,17 @@ def size(
         0.9, "--gpu-memory-utilization", help="Fraction of GPU memory simkv may use, in (0, 1]."),
     memory_budget_gib: Optional[float] = typer.Option(
         None, "--memory-budget-gib", help="Explicit budget in GiB (wins over the utilisation)."),
-    max_num_batched_tokens: int = typer.Option(
-        8192, "--max-num-batched-tokens", help="Token budget per step (sizes the activation workspace)."),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences per step."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, "--max-num-batched-tokens",
+        help="Token budget per step (sizes the activation workspace); default: the semantics'."),
+    max_num_seqs: Optional[int] = typer.Option(
+        None, "--max-num-seqs", help="Most sequences per step; default: the semantics'."),
+    semantics: str = typer.Option(
+        "vllm-0.26", "--semantics", help="vllm-0.26 (a null block, vLLM's limits) | vllm-0.18."),
     as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
 ) -> None:
     """KV sizing arithmetic and pool size for a model on a GPU."""
+    from simkv.config import semantics as rules
     from simkv.config.scenario import CacheConfig, SchedulerConfig
     from simkv.sizing import fit_error, size_pool
     from simkv.specs import KV_DTYPE_BYTES, load_gpu, load_model
@@ -37,14 +42,19 @@ def size(
         raise InputError(f"--gpu-memory-utilization: {gpu_memory_utilization} is not in (0, 1]")
     if memory_budget_gib is not None and memory_budget_gib <= 0:
         raise InputError(f"--memory-budget-gib: must be > 0, got {memory_budget_gib}")
-    if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+    if (max_num_batched_tokens is not None and max_num_batched_tokens <= 0) \
+            or (max_num_seqs is not None and max_num_seqs <= 0):
         raise InputError("--max-num-batched-tokens and --max-num-seqs must be > 0")
+    if semantics not in rules.SEMANTICS:
+        raise InputError(f"--semantics: {semantics!r} is not one of {', '.join(rules.SEMANTICS)}")
 
     cache = CacheConfig(block_size=block_size, kv_dtype=kv_dtype,
                         gpu_memory_utilization=gpu_memory_utilization,
                         memory_budget_gib=memory_budget_gib)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    sizing = size_pool(load_model(model), load_gpu(gpu), cache, scheduler)
+    gpu_spec = load_gpu(gpu)
+    rules.resolve(semantics, cache, scheduler, gpu_spec)
+    sizing = size_pool(load_model(model), gpu_spec, cache, scheduler)
     problem = fit_error(sizing)
     if problem:
         raise InputError(problem)
@@ -72,7 +82,9 @@ def _print_sizing(sizing) -> None:
         ("  activation workspace", gib(sizing.activation_bytes)),
         ("  other (context, graphs, slack)", gib(sizing.other_bytes)),
         ("  KV pool", gib(sizing.kv_pool_bytes)),
-        ("KV blocks", f"{sizing.num_blocks:,}"),
+        ("KV blocks", f"{sizing.num_blocks:,}" + (
+            f" usable of {sizing.num_gpu_blocks:,} (one is vLLM's null block)"
+            if sizing.num_gpu_blocks is not None else "")),
         ("max cached tokens", f"{sizing.max_cached_tokens:,}"),
         ("source", sizing.source),
     ]

@@ -23,7 +23,8 @@ RULES: dict[str, dict[str, Any]] = {
 }
 
 # vLLM v0.26 engine arguments, EngineArgs.get_batch_defaults (vllm/engine/arg_utils.py): an API
-# server's default max_num_seqs and max_num_batched_tokens by the GPU's memory.
+# server's (`vllm serve`) default max_num_seqs and max_num_batched_tokens: 1,024 and 8,192 on a
+# GPU of at least 70 GiB that is not an A100, else 256 and 2,048.
 VLLM_LARGE_GPU_BYTES = 70 * 2**30
 
 
@@ -44,7 +45,11 @@ def resolve(semantics: str, cache: Any, scheduler: Any, gpu: Any) -> None:
         if getattr(sections[section], name) is None:
             setattr(sections[section], name, values[semantics])
     seqs, tokens = default_limits(semantics, gpu)
-    if scheduler.max_num_seqs is None:
-        scheduler.max_num_seqs = seqs
     if scheduler.max_num_batched_tokens is None:
         scheduler.max_num_batched_tokens = tokens
+    if scheduler.max_num_seqs is None:
+        scheduler.max_num_seqs = seqs
+        if semantics != "vllm-0.18" and scheduler.max_num_batched_tokens > 0:
+            # a defaulted max_num_seqs is at most the token budget (vllm/engine/arg_utils.py,
+            # EngineArgs._set_default_max_num_seqs_and_batched_tokens_args)
+            scheduler.max_num_seqs = min(seqs, scheduler.max_num_batched_tokens)

@@ -38,5 +38,10 @@ def build_scheduler(scenario):
         preemption_mode=cache.preemption_mode,
         preemption_policy=sched.preemption_policy,
         global_prefix_scope=cache.prefix_sharing_scope == "global",
+        policy=sched.policy,
+        reserve_full_prompt=bool(sched.reserve_full_prompt),
+        parallel_sampling=sched.parallel_sampling or "fork",
+        cap_output_tokens=bool(sched.cap_output_tokens),
+        max_loras=sched.max_loras,
     )
     return scheduler, sizing

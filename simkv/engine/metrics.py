@@ -161,7 +161,11 @@ def requests_frame(requests) -> pd.DataFrame:
         completed = r.status == RequestStatus.COMPLETED
         ttft = r.first_token_s - r.arrival_s if completed else nan
         e2e = r.finish_s - r.arrival_s if completed else nan
-        tpot = (e2e - ttft) / (r.output_tokens - 1) if completed and r.output_tokens > 1 else nan
+        if r.children:                # a fanned-out request: its children's mean
+            tpot = r.tpot_s if completed else nan
+        else:
+            tpot = (e2e - ttft) / (r.output_tokens - 1) if completed and r.output_tokens > 1 \
+                else nan
         rows.append((r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, r.cached_tokens,
                      r.recomputed_tokens, r.first_token_s, r.finish_s, ttft, tpot, e2e,
                      r.num_preemptions, _STATUS.get(r.status, "unfinished"),
@@ -271,6 +275,8 @@ def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, s
         "leaked_blocks": int(kv.num_used_blocks),
         "cost_model": cost_model,
     })
+    if scheduler.cap_output_tokens:
+        summary["requests_capped"] = int(scheduler.num_capped)   # outputs cut at max_model_len
     if hasattr(kv, "external_fragmentation"):
         summary["external_fragmentation_end"] = kv.external_fragmentation()
     return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -278,6 +284,7 @@ def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, s
 
 
 def _samples(scheduler, completed: pd.DataFrame) -> np.ndarray:
-    """Samples per completed request (n), aligned with `completed`."""
-    n_by_id = {r.request_id: r.n for r in scheduler.done}
+    """Samples per completed request's output_tokens (n; 1 for a fanned-out request, whose
+    row sums its children's), aligned with `completed`."""
+    n_by_id = {r.request_id: 1 if r.children else r.n for r in scheduler.done}
     return completed["request_id"].map(n_by_id).to_numpy()

@@ -7,6 +7,7 @@ served. Whether tokens fit in memory is the KV manager's answer; who runs is dec
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from collections import deque
@@ -20,7 +21,10 @@ class Scheduler:
     def __init__(self, kv, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_model_len: int = 32768, preemption_mode: str = "recompute",
-                 preemption_policy: str = "recent", global_prefix_scope: bool = False):
+                 preemption_policy: str = "recent", global_prefix_scope: bool = False,
+                 policy: str = "fcfs", reserve_full_prompt: bool = False,
+                 parallel_sampling: str = "fork", cap_output_tokens: bool = False,
+                 max_loras: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -30,6 +34,14 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.preemption_policy = preemption_policy
         self.global_prefix_scope = global_prefix_scope
+        # vLLM's rules (docs/semantics.md): the defaults are semantics vllm-0.18's
+        self.policy = policy                          # fcfs | priority
+        self.reserve_full_prompt = reserve_full_prompt
+        self.parallel_sampling = parallel_sampling    # fork | fanout
+        self.cap_output_tokens = cap_output_tokens
+        self.max_loras = max_loras
+        if policy == "priority":
+            self.preemption_policy = "priority"
 
         self.waiting: deque = deque()     # Request, FCFS; recompute-preempted ones at the front
         self.swapped: deque = deque()     # Request, resumed before new admissions
@@ -41,15 +53,30 @@ class Scheduler:
         self.itl_s = array("d")           # gaps between consecutive tokens of a sequence
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0       # swap preemptions that fell back to recompute
+        self.num_capped = 0               # requests whose output was cut at max_model_len
         self._next_seq_id = 0
         self._cancel_ids: list = []
         self._rejected: list = []
+        self._stop_running = False        # a request preempted itself under policy priority
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request, now: float = 0.0) -> None:
-        """Queue a request, or reject it now if it can never be served (the reason is kept)."""
+        """Queue a request, or reject it now if it can never be served (the reason is kept).
+
+        With `parallel_sampling` fanout, a request with n > 1 becomes n child requests of one
+        sample each, as vLLM v1 serves it (vllm/v1/engine/parallel_sampling.py, ParentRequest):
+        they share the prompt only through the prefix cache, are admitted and preempted on
+        their own, and make one row together (`_close_group`)."""
         req.hash_root = hash_root(req, self.global_prefix_scope)
-        reason = self._why_unservable(req)
+        if self.cap_output_tokens and req.prompt_tokens < self.max_model_len \
+                and req.prompt_tokens + req.output_tokens > self.max_model_len:
+            # vLLM stops a sequence when it reaches max_model_len tokens
+            # (vllm/v1/core/sched/utils.py, check_stop: FINISHED_LENGTH_CAPPED)
+            req.capped_tokens = req.prompt_tokens + req.output_tokens - self.max_model_len
+            req.output_tokens -= req.capped_tokens
+            self.num_capped += 1
+        fanout = req.n > 1 and self.parallel_sampling == "fanout"
+        reason = self._why_unservable(req, 1 if fanout else req.n)
         if reason:
             req.status = RequestStatus.REJECTED
             req.reason = reason
@@ -57,26 +84,64 @@ class Scheduler:
             self._rejected.append(req)
             self.done.append(req)
             return
-        seq = self._new_seq(req, 0, req.prompt_tokens)
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        if not fanout:
+            self._queue(req)
+            return
+        req.children = []
+        for sample in range(req.n):
+            child = dataclasses.replace(req, n=1, sample=sample, group=req, seqs=[],
+                                        all_seqs=[], children=None, capped_tokens=0)
+            req.children.append(child)
+            self._queue(child)
+
+    def _queue(self, req: Request) -> None:
+        """A new request (or a fanned-out child) into the waiting queue."""
+        seq = self._new_seq(req, req.sample, req.prompt_tokens)
         if req.prompt_token_ids is not None:
             seq.token_ids = list(req.prompt_token_ids)
-        req.status = RequestStatus.WAITING
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._wait(req)
 
-    def _why_unservable(self, req: Request) -> str:
-        if req.max_tokens > self.max_model_len:
+    def _wait(self, req: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back (new) or the front (preempted) under fcfs; in
+        (priority, arrival) order under priority, as vLLM's PriorityRequestQueue
+        (vllm/v1/core/sched/request_queue.py) orders it."""
+        if self.policy == "priority":
+            key = _priority_key(req)
+            waiting = self.waiting
+            lo, hi = 0, len(waiting)
+            while lo < hi:                    # after every request with a key <= req's
+                mid = (lo + hi) // 2
+                if _priority_key(waiting[mid]) <= key:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            waiting.insert(lo, req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def _why_unservable(self, req: Request, n: int) -> str:
+        if self.cap_output_tokens:
+            # vLLM rejects a prompt that leaves no room for one output token
+            # (vllm/v1/engine/input_processor.py, _validate_model_input)
+            if req.prompt_tokens >= self.max_model_len:
+                return (f"prompt {req.prompt_tokens} tokens reach max_model_len "
+                        f"{self.max_model_len}")
+        elif req.max_tokens > self.max_model_len:
             return (f"prompt {req.prompt_tokens} + output {req.output_tokens} tokens exceed "
                     f"max_model_len {self.max_model_len}")
         if not self.enable_chunked_prefill and req.max_tokens > self.max_num_batched_tokens:
             return (f"{req.max_tokens} tokens cannot be prefilled in one step of "
                     f"{self.max_num_batched_tokens} tokens with chunked prefill off")
-        need = self.kv.blocks_needed(req.max_tokens, req.n, req.prompt_tokens)
+        need = self.kv.blocks_needed(req.max_tokens, n, req.prompt_tokens)
         if need > self.kv.max_admissible_blocks():
             return (f"needs {need} KV blocks; the pool admits at most "
                     f"{self.kv.max_admissible_blocks()}")
-        if req.n > self.max_num_seqs:
-            return f"n={req.n} exceeds max_num_seqs {self.max_num_seqs}"
+        if n > self.max_num_seqs:
+            return f"n={n} exceeds max_num_seqs {self.max_num_seqs}"
         return ""
 
     def cancel(self, request_id: int) -> None:
@@ -135,6 +200,9 @@ class Scheduler:
                     i += 1
                     continue
             i, budget = self._schedule_request(plan, req, i, budget)
+            if self._stop_running:
+                self._stop_running = False
+                break
         return budget
 
     def _chunk(self, num_new: int, budget: int) -> int | None:
@@ -186,16 +254,28 @@ class Scheduler:
             for item in scheduled[mark:]:
                 budget += item.num_tokens
             del scheduled[mark:]
+            # vLLM ends the pass over running requests there (vllm/v1/core/sched/scheduler.py,
+            # Scheduler.schedule: "Cannot schedule this request"); the victim was the last one
+            # under fcfs, so only the priority policy sees a difference
+            self._stop_running = self.policy == "priority"
             return i, budget
         return i + 1, budget
 
     def _admit_waiting(self, plan: StepPlan, now: float, budget: int) -> None:
         kv = self.kv
         waiting = self.waiting
+        adapters = self._step_adapters(plan) if self.max_loras else None
+        skipped = []                  # passed over for the adapter limit, kept in order
         while waiting and budget > 0:
             req = waiting[0]
             if self.num_running_seqs + _seats(req) > self.max_num_seqs:
                 break
+            if adapters is not None and req.adapter and req.adapter not in adapters \
+                    and len(adapters) >= self.max_loras:
+                # vLLM skips a request whose adapter would exceed max_loras this step and
+                # looks at the next (vllm/v1/core/sched/scheduler.py, Scheduler.schedule)
+                skipped.append(waiting.popleft())
+                continue
             items = []
             admitted = []
             # Fix: a forked request preempted for recompute used to re-prefill every sample from
@@ -210,7 +290,11 @@ class Scheduler:
                 num_new = self._chunk(num_new, budget)
                 if num_new is None:
                     break
-                if not kv.allocate_slots(seq, num_new, cached_blocks, admission=True):
+                # the full-prompt gate: blocks for every token still to prefill must be free
+                # now, though only this step's chunk takes them (docs/semantics.md)
+                reserve = seq.num_tokens if self.reserve_full_prompt else 0
+                if not kv.allocate_slots(seq, num_new, cached_blocks, admission=True,
+                                         reserve_tokens=reserve):
                     break
                 admitted.append((seq, cached_tokens))
                 seq.num_computed_tokens += cached_tokens
@@ -239,6 +323,15 @@ class Scheduler:
             self.running.append(req)
             self.num_running_seqs += _seats(req)
             plan.scheduled.extend(items)
+            if adapters is not None and req.adapter:
+                adapters.add(req.adapter)
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+
+    @staticmethod
+    def _step_adapters(plan: StepPlan) -> set:
+        """The adapters of the requests this step serves so far."""
+        return {item.seq.request.adapter for item in plan.scheduled if item.seq.request.adapter}
 
     def _resume_swapped(self, plan: StepPlan) -> None:
         """Swapped requests back in, oldest first, while seats and blocks allow."""
@@ -285,7 +378,7 @@ class Scheduler:
                 max(0, seq.num_computed_tokens - victim.prompt_tokens)
             seq.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
+        self._wait(victim, front=True)
         return victim, index
 
     @staticmethod
@@ -302,23 +395,59 @@ class Scheduler:
 
     def _apply_cancels(self, plan: StepPlan, now: float) -> None:
         for request_id in self._cancel_ids:
-            req = self.requests.pop(request_id, None)
+            req = self.requests.get(request_id)
             if req is None:
                 continue              # already finished, rejected or unknown
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-                self.num_running_seqs -= _seats(req)
-            elif req.status == RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-            else:
-                self.waiting.remove(req)
-            for seq in req.seqs:
-                self.kv.free(seq)
-            req.status = RequestStatus.CANCELLED
-            req.finish_s = now
+            for part in req.children or (req,):
+                if part.is_final:
+                    continue
+                if part.status == RequestStatus.RUNNING:
+                    self.running.remove(part)
+                    self.num_running_seqs -= _seats(part)
+                elif part.status == RequestStatus.SWAPPED:
+                    self.swapped.remove(part)
+                else:
+                    self.waiting.remove(part)
+                for seq in part.seqs:
+                    self.kv.free(seq)
+                part.status = RequestStatus.CANCELLED
+                part.finish_s = now
             plan.cancelled.append(request_id)
-            self.done.append(req)
+            self._close(req, now)
         self._cancel_ids = []
+
+    def _close(self, req: Request, now: float) -> None:
+        """A request (or a fanned-out child) is final: its row is kept in `done`; a child's
+        request closes once every child is final."""
+        group = req.group
+        if group is None:
+            if req.children:
+                self._close_group(req)
+            del self.requests[req.request_id]
+            self.done.append(req)
+        elif all(child.is_final for child in group.children) and not group.is_final:
+            self._close(group, now)
+
+    @staticmethod
+    def _close_group(req: Request) -> None:
+        """A fanned-out request's row from its children: TTFT to the first child's first
+        token, E2E to the last child's finish, output tokens summed, TPOT their mean; it is
+        completed when every child completed, else cancelled."""
+        children = req.children
+        completed = all(c.status == RequestStatus.COMPLETED for c in children)
+        req.status = RequestStatus.COMPLETED if completed else RequestStatus.CANCELLED
+        req.first_token_s = min((c.first_token_s for c in children
+                                 if c.first_token_s == c.first_token_s), default=math.nan)
+        req.admitted_s = min((c.admitted_s for c in children
+                              if c.admitted_s == c.admitted_s), default=math.nan)
+        req.finish_s = max(c.finish_s for c in children)
+        req.output_tokens = sum(seq.num_output_tokens for c in children for seq in c.all_seqs)
+        for name in ("num_preemptions", "cached_tokens", "queried_tokens", "recomputed_tokens"):
+            setattr(req, name, sum(getattr(c, name) for c in children))
+        tpots = [(c.finish_s - c.first_token_s) / (c.output_tokens - 1) for c in children
+                 if c.status == RequestStatus.COMPLETED and c.output_tokens > 1]
+        req.tpot_s = sum(tpots) / len(tpots) if tpots else math.nan
+        req.all_seqs = [seq for c in children for seq in c.all_seqs]
 
     def _finalise(self, plan: StepPlan) -> None:
         """The plan's token counts, block copies and the state snapshot."""
@@ -392,8 +521,12 @@ class Scheduler:
             req.status = RequestStatus.COMPLETED
             req.finish_s = now
             self.running.remove(req)
-            del self.requests[req.request_id]
-            self.done.append(req)
+            self._close(req, now)
+
+
+def _priority_key(req: Request) -> tuple:
+    """Order under policy priority: lower priority value first, then earlier arrival."""
+    return (req.priority, req.arrival_s, req.request_id, req.sample)
 
 
 def _seats(req: Request) -> int:
