@@ -270,3 +270,22 @@ def test_the_decode_time_split_takes_the_preparation_out_of_the_span(tmp_path, c
         assert main(["--split", str(tmp_path / bad)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_comparison_simulates_under_the_rules_the_measurement_ran_under(measured, tmp_path):
+    """meta.json records the semantics (simkv.config.semantics); a measurement from before it
+    did ran under vllm-0.18 (simkv's engine) or vllm-0.26 (vLLM v0.26 itself)."""
+    from simkv.validation.compare import measured_semantics
+    path, out = measured
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["semantics"] == "vllm-0.26"
+    old = tmp_path / "old"
+    import shutil
+    shutil.copytree(out, old)
+    del meta["semantics"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    result = compare_validation(old, load_validation_scenario(path), tmp_path / "v.json",
+                                plots=False, diagnostics=False)
+    assert result["semantics"] == "vllm-0.18"
+    assert measured_semantics({"engine": {"name": "vllm", "vllm": "0.26.0"}}) == "vllm-0.26"
+    assert measured_semantics({"engine": {"name": "simkv"}}) == "vllm-0.18"

@@ -85,6 +85,27 @@ def _measured_requests(measured_dir: Path, scenario):
     return meta, scn, frame
 
 
+def measured_semantics(meta: dict) -> str:
+    """The scheduling rules a measurement ran under: as its meta.json records them; before
+    they were recorded, vllm-0.26 for vLLM v0.26 itself and vllm-0.18 for simkv's engine."""
+    from simkv.config import semantics as rules
+    if meta.get("semantics"):
+        return meta["semantics"]
+    engine = meta.get("engine") or {}
+    if engine.get("name") == "vllm" and str(engine.get("vllm", "")).startswith("0.26"):
+        return "vllm-0.26"
+    return rules.MEASURED_SEMANTICS
+
+
+def _as_measured(scn, meta: dict):
+    """`scn` under the rules the measurement ran under (simkv.config.semantics)."""
+    semantics = measured_semantics(meta)
+    if scn.semantics == semantics:
+        return scn
+    from simkv.config.scenario import with_overrides
+    return with_overrides(scn, {"semantics": semantics})
+
+
 def _served_pool(scn, measured: dict):
     """`scn` serving the pool the engine served: `num_blocks` checks the sizing on its own, and
     a profile re-measured since the run must not change the pool compared."""
@@ -156,6 +177,7 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     from simkv.sim.engine import simulate
     measured_dir = Path(measured_dir)
     meta, scn, frame = _measured_requests(measured_dir, scenario)
+    scn = _as_measured(scn, meta)
     runs = {run: read_run(measured_dir / run) for run in RUNS}
     measured = runs["realtime"]["summary"]
     scn, sizing = _served_pool(scn, measured)
@@ -177,7 +199,8 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
     result = {
         "name": scn.name, "model": scn.model.name, "gpu": scn.gpu.name,
         "scenario": meta.get("scenario_path"), "measured_dir": str(measured_dir),
-        "cost_model": cost_model.name, "calibration": calibration, "requests": len(frame),
+        "cost_model": cost_model.name, "semantics": scn.semantics,
+        "calibration": calibration, "requests": len(frame),
         "load": load, "offered_rate_rps": offered, "saturated_throughput_rps": sat_rps,
         "error": error, "bounds": check_bounds(error, load),
         "measured": measured, "simulated": simulated,

@@ -149,6 +149,7 @@ def measure_validation(scenario, out_dir, device: str = "cuda", *, trace_df=None
         "scenario": scenario.name,
         "scenario_path": str(scn_path) if scn_path else None,
         "scenario_settings": json.loads(json.dumps(scenario.raw, default=str)),
+        "semantics": scenario.semantics,
         "model": scenario.model.name,
         "gpu": scenario.gpu.name,
         "device": device,
