@@ -68,7 +68,8 @@ def whole_process_runs(scenario: Path, runs: int) -> list:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "simkv.cli", "run", str(scenario),
-                                   "--out", tmp, "--json"], capture_output=True, text=True)
+                                   *_same_work(ROOT), "--out", tmp, "--json"],
+                                  capture_output=True, text=True)
             wall = time.perf_counter() - start
             if proc.returncode:
                 sys.exit(f"simkv run failed: {proc.stderr.strip()}")
@@ -81,6 +82,19 @@ def whole_process_runs(scenario: Path, runs: int) -> list:
     return out
 
 
+# Every run here takes semantics vllm-0.18's rules, those of the commits before the key existed,
+# so that both sides of a comparison do the same work.
+SAME_WORK = {"semantics": "vllm-0.18"}
+
+
+def _same_work(checkout: Path) -> list:
+    """The `--set` arguments that make `checkout` follow semantics vllm-0.18 (none before the
+    key existed: those commits had only those rules)."""
+    if (checkout / "simkv" / "config" / "semantics.py").is_file():
+        return ["--set", "semantics=vllm-0.18"]
+    return []
+
+
 def _cpu_run(scenario: Path, checkout: Path) -> tuple:
     """(CPU seconds, wall seconds, sim_duration_s) of one `simkv run` process of `checkout`."""
     import os
@@ -88,7 +102,8 @@ def _cpu_run(scenario: Path, checkout: Path) -> tuple:
         env = dict(os.environ, PYTHONPATH=str(checkout))
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "simkv.cli", "run", str(scenario),
-                                 "--out", tmp, "--json"], cwd=checkout, env=env,
+                                 *_same_work(checkout), "--out", tmp, "--json"], cwd=checkout,
+                                env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -139,7 +154,7 @@ def in_process(scenario: Path, repeats: int) -> dict:
     import statistics
     import simkv
     from simkv.sim.engine import Simulation
-    scn = simkv.load_scenario(scenario)
+    scn = simkv.load_scenario(scenario, SAME_WORK)
     frame = Simulation(scn).frame
     times = {"exact": [], "runs": [], "write": []}
     identical = True
@@ -181,7 +196,7 @@ def per_step(repeats: int = 3) -> dict:
         path = Path(tmp, "azure.yaml")
         path.write_text(SCENARIO)
         for limit in (1000, 5000, 19366):
-            scn = simkv.load_scenario(path, {"workload.limit": limit})
+            scn = simkv.load_scenario(path, {"workload.limit": limit, **SAME_WORK})
             us = []
             for _ in range(repeats):
                 sim = Simulation(scn)
@@ -197,7 +212,7 @@ def per_step(repeats: int = 3) -> dict:
 def profile_components(scenario: Path) -> dict:
     import simkv
     from simkv.sim.engine import simulate
-    scn = simkv.load_scenario(scenario)
+    scn = simkv.load_scenario(scenario, SAME_WORK)
     prof = cProfile.Profile()
     prof.enable()
     simulate(scn)
@@ -219,7 +234,8 @@ def profile_components(scenario: Path) -> dict:
 
 def _ab_scenario(scenario: Path, **top):
     import simkv
-    return simkv.load_scenario(scenario, {"workload.limit": 6000, "workload.time_scale": 0.5,
+    return simkv.load_scenario(scenario, {**SAME_WORK, "workload.limit": 6000,
+                                          "workload.time_scale": 0.5,
                                           "cache.memory_budget_gib": 32,
                                           "scheduler.max_model_len": 16384, **top})
 
