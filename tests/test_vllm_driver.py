@@ -280,7 +280,8 @@ def test_profile_rows_time_steps_by_the_engine_cores_period_and_group_a_stage():
     rows, summary = sp.phase_rows(phase, 16, [1, 2, 4], [1, 2, 4, 8])
     assert summary["stopped"] is None and summary["clock"] == "core_t_s"
     decode = [r for r in rows if r["family"] == "decode"]
-    assert [(r["num_decode_seqs"], r["reps"]) for r in decode] == [(4, 5), (2, 5), (1, 5)]
+    # the first two decodes after the prefill step carry part of its time: left out
+    assert [(r["num_decode_seqs"], r["reps"]) for r in decode] == [(4, 3), (2, 5), (1, 5)]
     assert [r["time_s"] for r in decode] == pytest.approx([0.025, 0.015, 0.010])
     assert all(r["graph"] == 1 for r in decode)
     # the phase's first step (after idle) has no period: the single prefill step is left out
@@ -288,7 +289,32 @@ def test_profile_rows_time_steps_by_the_engine_cores_period_and_group_a_stage():
     # an empty step between two steps voids the period of the second
     log.insert(3, dict(log[2], num_prefill_tokens=0, num_decode_tokens=0))
     rows2, _ = sp.phase_rows(dict(phase, steps=log), 16, [1, 2, 4], [1, 2, 4, 8])
-    assert rows2[0]["reps"] == 4
+    assert rows2[0]["reps"] == 2
+
+
+def test_a_prompt_injected_into_a_decode_stream_takes_the_time_its_window_lost():
+    reqs = [(100, 40), (100, 40), (50, 1)]      # two decoding, then one prompt arrives
+    replay, steps = sp.Replay(reqs), []
+    for tokens in [200] + [0] * 8 + [50] + [0] * 8:
+        steps.append(replay.step(tokens))
+    # the engine core releases the decode before the prompt 6 ms late, the prompt's step
+    # 5 ms early and the one after 1 ms early: the window keeps the prompt's 9 ms
+    shift = {8: 0.006, 9: -0.005, 10: -0.001}
+    log, t = [], 0.0
+    for k, s in enumerate(steps):
+        t += (0.2 if k == 0 else 0.009 if k == 9 else 0.005) + shift.get(k, 0.0)
+        log.append({"core_t_s": t, "t_s": t, "num_prefill_tokens": s.num_prefill_tokens,
+                    "num_decode_tokens": len(s.decodes)})
+    phase = {"name": "inject-b2", "requests": [list(r) for r in reqs], "steps": log}
+    rows, summary = sp.phase_rows(phase, 16, [1, 2], [1, 2, 64])
+    assert summary["stopped"] is None
+    mixed = [r for r in rows if r["family"] == "mixed"]
+    assert len(mixed) == 1 and mixed[0]["timing"] == "window"
+    assert mixed[0]["time_s"] == pytest.approx(0.009)
+    assert mixed[0]["period_s"] == pytest.approx(0.004)
+    assert (mixed[0]["num_prefill_tokens"], mixed[0]["num_decode_seqs"]) == (50, 2)
+    decode = [r for r in rows if r["family"] == "decode"]
+    assert [r["time_s"] for r in decode] == pytest.approx([0.005, 0.005])
 
 
 def test_a_graphed_step_follows_vllms_captured_sizes():
@@ -326,9 +352,31 @@ def test_a_raw_step_profile_builds_a_profile_that_simkv_fits(tmp_path):
         "piecewise_graph_sizes": [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))}}
     meta = sp.build_profile(raw, tmp_path)
     steps = pd.read_csv(tmp_path / "steps.csv")
-    assert len(steps) == meta["rows"] > 20 and set(steps["family"]) == {"decode", "mixed",
+    assert len(steps) == meta["rows"] >= 10 and set(steps["family"]) == {"decode", "mixed",
                                                                          "prefill"}
     assert all(p["stopped"] is None for p in meta["phases"])
     fit = fit_profile(tmp_path)
     assert fit["block_sizes"] == [16] and "engine_host" not in fit
     assert fit["holdout_error"]["median"] < 0.05
+
+
+def test_full_budget_prefill_steps_released_in_bunches_keep_their_total_in_blocks():
+    reqs = sp.ladder_requests(1024, 64, 8192, stage_steps=4)
+    steps = sp.predict(reqs, 8192)
+    full = [k for k, s in enumerate(steps) if s.num_prefill_tokens + len(s.decodes) == 8192]
+    assert len(full) >= 6
+    # every third full step comes out with the one before it, 0.35 s after that one's
+    # predecessor: the same 0.2 s per step on average
+    bunch = {k: (0.35 if n % 3 == 1 else 0.05 if n % 3 == 2 else 0.2)
+             for n, k in enumerate(full[1:])}
+    log = _logged(steps, 0.0, lambda s: 0.005)
+    t, out = 0.0, []
+    for k, rec in enumerate(log):
+        t += bunch.get(k, 0.2 if steps[k].chunks else 0.005)
+        out.append(dict(rec, core_t_s=t))
+    rows, _ = sp.phase_rows({"name": "decode-c1024-b64", "requests": [list(r) for r in reqs],
+                             "steps": out}, 16, [1, 64], [1, 512])
+    blocks = [r for r in rows if r["timing"] == "block"]
+    assert sum(r["reps"] for r in blocks) == len(full) - 1        # the first step has no period
+    assert sum(r["time_s"] * r["reps"] for r in blocks) == pytest.approx(
+        sum(bunch.values()))

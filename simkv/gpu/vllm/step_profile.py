@@ -25,13 +25,26 @@ whose prompt ends in step p_j, decodes in steps p_j + 1 ... p_j + max_tokens_j -
 `reconstruct` replays that from the logged token counts and checks every step's decode count;
 a phase stops at its first step that disagrees.
 
-A step's time is the period between the engine core's output timestamps of consecutive steps
-(EngineCoreOutputs.timestamp, taken when the step's sampled tokens reach the host): with
-asynchronous scheduling the next step is already queued, so the period is the GPU's step
-time plus whatever host time it could not hide; vLLM's own per-step "elapsed" figure is the
-host's wait only. The first step of each phase (after idle) has no period and is left out.
-Decode-only steps of one batch (a ladder stage) form one row: the median period, the middle
-step's composition. Every other step is a row of its own.
+A step's time comes from the engine core's output timestamps (EngineCoreOutputs.timestamp,
+taken when a step's sampled tokens reach the host); vLLM's own per-step "elapsed" figure is the
+host's wait only. With asynchronous scheduling the next step is already queued, so the period
+between consecutive timestamps is the step's time on the GPU plus the host time it could not
+hide, but single periods are shifted between neighbours, and a row keeps the total of the
+periods it stands for:
+
+- decode-only steps of one batch (a ladder stage, the stretch between two injections): the
+  median period, at the middle step's composition (leaving out the step before a prefill step
+  and the two after it);
+- a prefill step inside a decode stream (an injection): the engine core releases the decode
+  before it late and the ones after it early, so its time is the window from the decode before
+  it to the second one after it, less those three decodes at their stream's median (shared by
+  the window's prefill steps, a chunked prompt's two, in proportion to their own periods);
+- consecutive full-budget prefill steps (a ladder's prefills, a burst): the engine core
+  releases them in bunches (two at once, then a long gap), so blocks of about BLOCK_STEPS of
+  them make one row each: their mean period at their mean composition (they differ only in a
+  few decodes and in their chunks' offsets, terms the fitted formula takes linearly). Other
+  prefill steps outside a decode stream are left out, and so is the first step of each phase
+  (after idle, it has no period).
 """
 from __future__ import annotations
 
@@ -49,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STAGE_STEPS = 16            # decode steps per ladder stage
+BLOCK_STEPS = 16            # full-budget prefill steps per row (about)
+FULL_BUDGET_SHARE = 0.9     # a step of at least this share of the token budget is full
 INJECT_PROMPT_TOKENS = 512  # the injection phases' decoding requests
 INJECT_SIZES = (16, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
 INJECT_REPEATS = 3
@@ -229,8 +244,21 @@ def _family(f: dict) -> str:
     return "mixed" if f["num_decode_seqs"] else "prefill"
 
 
-def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: list) -> tuple:
-    """(rows of steps.csv, phase summary) of one recorded phase."""
+def _row(phase, i, f, value, times, timing, periods, block_size, full_sizes, piecewise_sizes,
+         clock) -> dict:
+    return {"id": f"vllm/{phase['name']}/s{i + 1}", "family": _family(f),
+            "block_size": block_size, **f,
+            "graph": graphed(f, full_sizes, piecewise_sizes), "time_s": value,
+            "time_p10_s": times[int(0.1 * (len(times) - 1))],
+            "time_p90_s": times[int(math.ceil(0.9 * (len(times) - 1)))],
+            "reps": len(times), "period_s": periods[i], "timing": timing,
+            "phase": phase["name"], "step": i + 1, "clock": clock}
+
+
+def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: list,
+               budget: int = 8192) -> tuple:
+    """(rows of steps.csv, phase summary) of one recorded phase (`budget`: the engine's
+    max_num_batched_tokens)."""
     records = phase["steps"]
     real = [i for i, s in enumerate(records)
             if int(s["num_prefill_tokens"]) + int(s["num_decode_tokens"]) > 0]
@@ -241,32 +269,97 @@ def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: 
     # too (an empty step between them may have left the GPU idle)
     periods = [None] + [float(records[real[k]][clock]) - float(records[real[k] - 1][clock])
                         if real[k] - 1 == real[k - 1] else None for k in range(1, len(steps))]
-    # group decode-only steps of one batch (the same requests); every other step alone
-    groups, last_key = [], None
+    timed = [p is not None and p > 0 for p in periods]
+    decode = [not step.chunks for step in steps]
+    # runs of decode-only steps of one batch (the same requests), and the steps between them
+    runs, last_key = [], None
     for i, step in enumerate(steps):
-        key = None if step.chunks else tuple(j for j, _ in step.decodes)
-        if key is not None and key == last_key:
-            groups[-1].append(i)
+        key = tuple(j for j, _ in step.decodes) if decode[i] else "prefill"
+        if key == last_key:
+            runs[-1].append(i)
         else:
-            groups.append([i])
+            runs.append([i])
         last_key = key
-    rows = []
-    for group in groups:
-        timed = [i for i in group if periods[i] is not None and periods[i] > 0]
-        if not timed:
+    run_of = {i: r for r in runs for i in r if decode[i]}
+    median = {}
+    for r in runs:
+        if not decode[r[0]]:
             continue
-        middle = timed[len(timed) // 2]
-        f = step_features(steps[middle])
-        times = sorted(periods[i] for i in timed)
-        graph = graphed(f, full_sizes, piecewise_sizes)
-        rows.append({
-            "id": f"vllm/{phase['name']}/s{middle + 1}", "family": _family(f),
-            "block_size": block_size, **f,
-            "graph": graph, "time_s": statistics.median(times),
-            "time_p10_s": times[int(0.1 * (len(times) - 1))],
-            "time_p90_s": times[int(math.ceil(0.9 * (len(times) - 1)))],
-            "reps": len(times), "phase": phase["name"], "step": middle + 1,
-            "clock": clock})
+        # the step before a prefill step and the two after it carry part of its time (below)
+        clean = [i for i in r if timed[i] and not (i + 1 < len(steps) and not decode[i + 1])
+                 and not any(0 <= i - d and not decode[i - d] for d in (1, 2))]
+        use = clean if len(clean) >= 2 else [i for i in r if timed[i]]
+        if use:
+            median[r[0]] = (statistics.median(periods[i] for i in use), use)
+    time_of, how, blocks = {}, {}, []
+    for r in runs:
+        if decode[r[0]]:
+            continue
+        i0, i1 = r[0], r[-1]
+        inside = list(range(i0 - 1, i1 + 3))
+        # a prefill step inside a decode stream: the engine core releases the step before it
+        # late and the ones after it early (its host work is not hidden); the window from the
+        # decode step before it to the second one after it, less those three decodes at their
+        # stream's median, is its time (shared by the prefill steps of the window in
+        # proportion to their own periods)
+        if (i0 >= 2 and i1 + 2 < len(steps) and all(timed[i] for i in inside)
+                and decode[i0 - 1] and decode[i1 + 1] and decode[i1 + 2]
+                and run_of[i1 + 1] is run_of[i1 + 2]
+                and run_of[i0 - 1][0] in median and run_of[i1 + 1][0] in median):
+            before = median[run_of[i0 - 1][0]][0]
+            after = median[run_of[i1 + 1][0]][0]
+            total = sum(periods[i] for i in inside) - before - 2 * after
+            own = sum(periods[i] for i in r)
+            if total > 0 and own > 0:
+                for i in r:
+                    time_of[i], how[i] = total * periods[i] / own, "window"
+                continue
+        # elsewhere the engine core releases prefill steps in bunches (two at once, then a
+        # long gap), so one period says little; a block of consecutive full-budget steps keeps
+        # its total: a row of their mean period and mean composition (the steps of a block
+        # differ only in a few decodes or in their chunks' offsets, terms the formula takes
+        # linearly). Shorter prefill steps outside a decode stream are left out.
+        full = [i for i in r if timed[i] and steps[i].num_prefill_tokens + len(steps[i].decodes)
+                >= FULL_BUDGET_SHARE * budget]
+        runs_full, block = [], []
+        for i in full:
+            if block and i != block[-1] + 1:
+                runs_full.append(block)
+                block = []
+            block.append(i)
+        if block:
+            runs_full.append(block)
+        for run in runs_full:
+            count = max(1, round(len(run) / BLOCK_STEPS))
+            for k in range(count):
+                part = run[k * len(run) // count:(k + 1) * len(run) // count]
+                blocks.append(part)
+    rows = []
+    for r in runs:
+        if decode[r[0]]:
+            if r[0] not in median:
+                continue
+            value, use = median[r[0]]
+            times = sorted(periods[i] for i in use)
+            f = step_features(steps[use[len(use) // 2]])
+            rows.append(_row(phase, use[len(use) // 2], f, value, times, "median", periods,
+                             block_size, full_sizes, piecewise_sizes, clock))
+        else:
+            for i in r:
+                if i in time_of:
+                    rows.append(_row(phase, i, step_features(steps[i]), time_of[i],
+                                     [time_of[i]], how[i], periods, block_size, full_sizes,
+                                     piecewise_sizes, clock))
+    for part in blocks:
+        feats = [step_features(steps[i]) for i in part]
+        f = {k: sum(x[k] for x in feats) / len(feats) for k in feats[0]}
+        times = sorted(periods[i] for i in part)
+        row = _row(phase, part[len(part) // 2], f, sum(times) / len(times), times, "block",
+                   periods, block_size, full_sizes, piecewise_sizes, clock)
+        row["id"] = f"vllm/{phase['name']}/s{part[0] + 1}-{part[-1] + 1}"
+        row["graph"] = graphed(feats[0], full_sizes, piecewise_sizes)
+        rows.append(row)
+    rows.sort(key=lambda x: x["step"])
     summary = {"name": phase["name"], "requests": len(phase["requests"]),
                "steps_logged": len(logged), "steps_replayed": len(steps), "rows": len(rows),
                "stopped": note, "wall_s": phase.get("wall_s"), "clock": clock}
@@ -276,7 +369,8 @@ def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: 
 STEP_CSV_COLUMNS = ("id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
                     "num_prefill_seqs", "num_decode_seqs", "decode_context_tokens",
                     "prefill_context_tokens", "prefill_attention_pairs", "decode_max_context",
-                    "graph", "time_s", "time_p10_s", "time_p90_s", "reps", "phase", "step")
+                    "graph", "time_s", "time_p10_s", "time_p90_s", "reps", "period_s", "timing",
+                    "phase", "step")
 
 
 def build_profile(raw: dict, out_dir, raw_path: str = "") -> dict:
@@ -290,7 +384,8 @@ def build_profile(raw: dict, out_dir, raw_path: str = "") -> dict:
     full, piecewise = m["full_graph_sizes"], m["piecewise_graph_sizes"]
     rows, phases = [], []
     for phase in raw["phases"]:
-        r, summary = phase_rows(phase, block_size, full, piecewise)
+        r, summary = phase_rows(phase, block_size, full, piecewise,
+                                int(m["engine_kwargs"].get("max_num_batched_tokens", 8192)))
         rows += r
         phases.append(summary)
     df = pd.DataFrame(rows)
@@ -315,12 +410,15 @@ def build_profile(raw: dict, out_dir, raw_path: str = "") -> dict:
         "versions": m["versions"], "nvidia_smi": m.get("nvidia_smi"),
         "engine_kwargs": m["engine_kwargs"], "vllm_num_gpu_blocks": m["vllm_num_gpu_blocks"],
         "setup": m.get("setup"),
-        "timing": ("per step: the period between the engine core's output timestamps of "
-                   "consecutive steps (EngineCoreOutputs.timestamp; asynchronous scheduling "
-                   "keeps the next step queued, so the period is the step's time on the GPU "
-                   "plus host time it could not hide); decode-only steps of one batch: the "
-                   "median over the stage (reps), p10/p90 beside it; the first step of each "
-                   "phase (after idle) left out"),
+        "timing": ("the engine core's output timestamps (EngineCoreOutputs.timestamp) of "
+                   "consecutive steps; rows keep the total of the periods they stand for: a "
+                   "decode run of one batch its median period (reps: the periods used, "
+                   "p10/p90 beside it), a prefill step inside a decode stream the window from "
+                   "the decode before it to the second after it less those decodes "
+                   "('window'), consecutive full-budget prefill steps in blocks of about "
+                   f"{BLOCK_STEPS} their mean period at their mean composition ('block'); "
+                   "the first step of each phase (after idle) and shorter prefill steps "
+                   "outside a decode stream left out (simkv.gpu.vllm.step_profile)"),
         "host_terms": ("none: the periods hold every host cost vLLM did not hide, so the fit "
                        "has no engine_host term"),
         "phases": phases,
@@ -573,7 +671,7 @@ def main(argv=None) -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--budget-s", type=float, default=400.0,
                    help="start no phase after this many seconds (the engine start counted)")
-    b = sub.add_parser("build", help="on the CPU: raw.json -> steps.csv and meta.json")
+    b = sub.add_parser("build", help="on the CPU: raw.json[.gz] -> steps.csv and meta.json")
     b.add_argument("raw")
     b.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -584,7 +682,12 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         asyncio.run(_measure(scn, out, args.budget_s, PHASES))
         return 0
-    raw = json.loads(Path(args.raw).read_text())
+    path = Path(args.raw)
+    if path.suffix == ".gz":
+        import gzip
+        raw = json.loads(gzip.decompress(path.read_bytes()))
+    else:
+        raw = json.loads(path.read_text())
     meta = build_profile(raw, args.out, args.raw)
     for p in meta["phases"]:
         print(f"{p['name']}: {p['steps_logged']} steps logged, {p['steps_replayed']} replayed, "
