@@ -1,15 +1,19 @@
 #!/bin/bash
-# On the CPU: every committed vLLM measurement against simkv, (a) the bundled H200 profile as is
-# and (b) calibrated by vLLM's saturated run of the same requests, written to
+# On the CPU: every committed vLLM measurement against simkv, (a) the bundled H200 profile as is,
+# (b) calibrated by vLLM's saturated run of the same requests and (c) with vLLM's own step
+# profile (step-profile/fit.json, where it exists), written to
 #   profiles/h200/llama-3.1-8b/vllm-0.26/compare/bundled/<name>-run<k>.json
 #   profiles/h200/llama-3.1-8b/vllm-0.26/compare/calibrated/<name>-run<k>.json
+#   profiles/h200/llama-3.1-8b/vllm-0.26/compare/vllm-profile/<name>-run<k>.json
 # then the table of docs/validation.md from those files (table.py).
 #   bash scripts/vllm_device/compare_all.sh [RUN_DIR...]   (default: every <name>/run<k>/)
 set -euo pipefail
 V=profiles/h200/llama-3.1-8b/vllm-0.26
 runs=("$@")
 [ ${#runs[@]} -gt 0 ] || runs=($(ls -d $V/*/run*/ | sed 's:/$::'))
+FIT=$V/step-profile/fit.json
 mkdir -p $V/compare/bundled $V/compare/calibrated
+[ -f $FIT ] && mkdir -p $V/compare/vllm-profile
 for run in "${runs[@]}"; do
     name=$(basename "$(dirname "$run")"); k=$(basename "$run")
     scenario=scenarios/validation/$name.yaml
@@ -17,5 +21,9 @@ for run in "${runs[@]}"; do
         --out $V/compare/bundled/$name-$k.json
     simkv validate compare $scenario --measured $run --no-plots --calibrate-saturated \
         --out $V/compare/calibrated/$name-$k.json
+    if [ -f $FIT ]; then
+        simkv validate compare $scenario --measured $run --no-plots --cost-model $FIT \
+            --out $V/compare/vllm-profile/$name-$k.json
+    fi
 done
 python scripts/vllm_device/table.py $V/compare
