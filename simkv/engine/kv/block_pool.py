@@ -3,6 +3,14 @@
 Freed blocks that hold a cached hash stay in the free queue and stay hittable until the queue
 hands them out again (lazy eviction). The queue is an OrderedDict used as an O(1) LRU list:
 new blocks are taken from the front, freed blocks are appended at the back.
+
+The index may hold several blocks under one hash (duplicate blocks, as vLLM's
+BlockHashToBlockMap in vllm/v1/core/block_pool.py does: two requests that computed the same
+tokens each keep their block, since block tables only grow). `cached` maps a hash to the oldest
+of its blocks still indexed, the one a lookup returns (vLLM's `get_one_block`: the first of an
+insertion-ordered dict); `duplicates` holds the later ones, oldest first, and is empty unless
+the KV manager indexes duplicates, so the common path never looks at it. Removing a block
+(evicted or uncached) drops only that block; the next oldest takes its place in `cached`.
 """
 from __future__ import annotations
 
@@ -15,10 +23,11 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list = [None] * num_blocks
         self.free_queue: OrderedDict = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict = {}            # hash -> block id
+        self.cached: dict = {}            # hash -> the oldest block indexed under it
+        self.duplicates: dict = {}        # hash -> [later blocks under it, oldest first]
         self.num_cached_free = 0          # free blocks that still hold a hash
         self.num_evictions = 0            # cached blocks reallocated (their hash dropped)
-        self.num_removals = 0             # hashes dropped from the index (evicted or uncached)
+        self.num_removals = 0             # blocks dropped from the index (evicted or uncached)
         self.num_shared_refs = 0          # references beyond the first, over all blocks
         self.num_shared_blocks = 0        # blocks with more than one reference
 
@@ -32,12 +41,15 @@ class BlockPool:
         blocks = [popitem(False)[0] for _ in range(count)]
         ref_cnt, block_hash = self.ref_cnt, self.block_hash
         if self.num_cached_free:
-            cached, evicted = self.cached, 0
+            cached, duplicates, evicted = self.cached, self.duplicates, 0
             for block in blocks:
                 h = block_hash[block]
                 if h is not None:
                     evicted += 1
-                    del cached[h]
+                    if duplicates:
+                        self._unindex(block, h)
+                    else:             # no duplicates: the block is its hash's only one
+                        del cached[h]
                     block_hash[block] = None
             self.num_cached_free -= evicted
             self.num_evictions += evicted
@@ -90,22 +102,49 @@ class BlockPool:
         ref_cnt = self.ref_cnt
         return sum(1 for b in blocks if ref_cnt[b] == 0)
 
-    def cache(self, block: int, block_hash) -> None:
-        """Register a full, in-use block under its hash (first writer wins)."""
-        if block_hash not in self.cached and self.block_hash[block] is None:
+    def cache(self, block: int, block_hash, duplicate: bool = False) -> None:
+        """Register a full, in-use block under its hash. A hash already indexed keeps its block
+        and this one stays unregistered (first writer wins), unless `duplicate`: then it is
+        indexed too, behind the others (the KV manager inlines this in _cache_full_blocks)."""
+        if self.block_hash[block] is not None:
+            return
+        if block_hash not in self.cached:
             self.cached[block_hash] = block
-            self.block_hash[block] = block_hash
+        elif duplicate:
+            self.duplicates.setdefault(block_hash, []).append(block)
+        else:
+            return
+        self.block_hash[block] = block_hash
 
     def uncache(self, block: int) -> None:
         """Drop an in-use block's hash from the index (its contents will not be computed)."""
         h = self.block_hash[block]
         if h is not None:
-            del self.cached[h]
+            self._unindex(block, h)
             self.block_hash[block] = None
             self.num_removals += 1
 
+    def _unindex(self, block: int, h) -> None:
+        """Take `block` out of the index under its hash `h`; the hash's next oldest block, if
+        any, becomes the one lookups return (vLLM's BlockHashToBlockMap.pop)."""
+        later = self.duplicates.get(h)
+        if self.cached[h] != block:
+            later.remove(block)
+        elif later:
+            self.cached[h] = later.pop(0)
+        else:
+            del self.cached[h]
+        if later is not None and not later:
+            del self.duplicates[h]
+
     def lookup(self, block_hash):
+        """The block a prefix lookup hits for `block_hash` (the oldest indexed), or None."""
         return self.cached.get(block_hash)
+
+    def blocks_of(self, block_hash) -> list:
+        """Every block indexed under `block_hash`, oldest first."""
+        first = self.cached.get(block_hash)
+        return [] if first is None else [first] + self.duplicates.get(block_hash, [])
 
     def check(self) -> None:
         """Assert the pool's own invariants (the manager checks the refcounts against tables)."""
@@ -120,6 +159,11 @@ class BlockPool:
         assert len(self.free_queue) + sum(1 for r in self.ref_cnt if r > 0) == n
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"hash index points at block {b} with another hash"
-        assert sum(1 for h in self.block_hash if h is not None) == len(self.cached)
+        for h, later in self.duplicates.items():
+            assert later and h in self.cached, f"duplicates of hash {h} without a first block"
+            assert all(self.block_hash[b] == h for b in later), "a duplicate with another hash"
+        indexed = len(self.cached) + sum(len(later) for later in self.duplicates.values())
+        assert sum(1 for h in self.block_hash if h is not None) == indexed, \
+            "a hashed block missing from the index, or one indexed twice"
         assert self.num_cached_free == sum(
             1 for b in self.free_queue if self.block_hash[b] is not None), "cached-free count"

@@ -174,8 +174,9 @@ class PagedKVCacheManager:
         memo = self._lookup_memo
         if memo is not None and memo[0] is seq and memo[1] == max_blocks \
                 and memo[2] == pool.num_removals:
-            # The same head of the queue asks again (memory is full): no hash left the index
-            # since, so its hits stand unless its first miss has been registered meanwhile.
+            # The same head of the queue asks again (memory is full): no block left the index
+            # since, so its hits stand unless its first miss has been registered meanwhile. (A
+            # duplicate indexed since changes no lookup: a hash's oldest block answers.)
             hits = memo[3]
             if len(hits) == max_blocks or hashes[len(hits)] not in pool.cached:
                 return list(hits), len(hits) * self.block_size
@@ -258,11 +259,25 @@ class PagedKVCacheManager:
         table = seq.block_table
         pool = self.pool
         cached, block_hash = pool.cached, pool.block_hash
-        for i in range(seq.num_cached_blocks, num_full):    # pool.cache(block, h), inlined
-            block, h = table[i], hashes[i]
-            if h not in cached and block_hash[block] is None:
-                cached[h] = block
-                block_hash[block] = h
+        if self.duplicate_blocks:
+            # vLLM indexes a block whose hash is already indexed too (BlockPool.
+            # cache_full_blocks -> BlockHashToBlockMap.insert), so it stays hittable after
+            # the first is evicted (tests/test_duplicate_blocks.py)
+            duplicates = pool.duplicates
+            for i in range(seq.num_cached_blocks, num_full):   # pool.cache(.., True), inlined
+                block, h = table[i], hashes[i]
+                if block_hash[block] is None:
+                    if h in cached:
+                        duplicates.setdefault(h, []).append(block)
+                    else:
+                        cached[h] = block
+                    block_hash[block] = h
+        else:
+            for i in range(seq.num_cached_blocks, num_full):   # pool.cache(block, h), inlined
+                block, h = table[i], hashes[i]
+                if h not in cached and block_hash[block] is None:
+                    cached[h] = block
+                    block_hash[block] = h
         seq.num_cached_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
