@@ -110,6 +110,49 @@ def test_generated_scenarios_give_the_same_bytes_with_decode_runs(raw):
     assert_identical(simkv.load_scenario(raw))
 
 
+@st.composite
+def conversation_scenarios(draw):
+    """run_scenarios with conversations (simkv.workload.synthetic): later turns that arrive
+    while the turn before still decodes, or after it finished, and hit its blocks; under
+    either semantics (vllm-0.26 indexes duplicate blocks)."""
+    raw = draw(run_scenarios())
+    raw["semantics"] = draw(st.sampled_from(["vllm-0.26", "vllm-0.18"]))
+    raw["workload"]["synthetic"]["conversation"] = {
+        "turns": {"dist": "uniform", "min": 1, "max": draw(st.sampled_from([2, 4]))},
+        "think_time_s": {"dist": "exponential",
+                         "mean": draw(st.sampled_from([0.005, 0.05, 0.5]))},
+        "new_tokens": {"dist": "uniform", "min": 1, "max": draw(st.sampled_from([4, 16]))}}
+    return raw
+
+
+@settings(max_examples=max(20, EXAMPLES // 2), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(raw=conversation_scenarios())
+def test_generated_conversations_give_the_same_bytes_with_decode_runs(raw):
+    assert_identical(simkv.load_scenario(raw))
+
+
+@pytest.mark.parametrize("semantics", ["vllm-0.26", "vllm-0.18"])
+def test_a_chat_workload_on_a_tight_pool_gives_the_same_bytes_with_decode_runs(semantics):
+    """Turns that wait for blocks while the turn they continue decodes (the guard holds runs
+    back), preemptions, and runs between them."""
+    scenario = simkv.load_scenario({
+        "name": "chat", "model": "llama-3.1-8b", "gpu": "h200", "cost_model": "auto",
+        "seed": 0, "semantics": semantics,
+        "cache": {"block_size": 16, "num_gpu_blocks_override": 400},
+        "scheduler": {"max_num_seqs": 32, "max_model_len": 4096},
+        "workload": {"synthetic": {
+            "num_requests": 60, "arrival": {"process": "poisson", "rate": 4},
+            "prompt_tokens": {"dist": "lognormal", "mean": 600, "sigma": 0.6, "max": 2000},
+            "output_tokens": {"dist": "uniform", "min": 20, "max": 300},
+            "shared_prefix": {"num_groups": 2, "prefix_tokens": 256, "fraction": 0.5},
+            "conversation": {"turns": {"dist": "uniform", "min": 1, "max": 4},
+                             "think_time_s": {"dist": "exponential", "mean": 2.0},
+                             "new_tokens": {"dist": "uniform", "min": 10, "max": 200}}}}})
+    count = assert_identical(scenario)
+    assert count.runs > 0
+
+
 def test_a_delay_that_no_float_sum_reaches_is_taken_in_two_hops():
     # now + d rounds half to even: from this clock no delay lands on this target
     now, target = 0.03907152666795021, 0.1120897911527987

@@ -16,7 +16,11 @@ may finish sequences; the scheduler's own `finish_step` applies it.
 Why the batch does not change inside a run: what step 1 left waiting stays waiting. The head of
 the queue was refused a seat, the token budget or blocks, and none of those comes back inside a
 run (seats and budget are constant, free blocks only fall, a decode never fills a block another
-request's prompt could hit); swapped requests likewise.
+request's prompt could hit); swapped requests likewise. The one prompt that can hit a decode's
+blocks is a later turn's (simkv.engine.kv.hashing: it holds an earlier request's output), so no
+run is taken while a waiting request continues a turn that is not final: as the turn's output
+blocks fill, the waiting one's hits grow and it may fit
+(tests/test_multiturn.py::test_no_decode_run_while_a_later_turn_waits_on_a_live_one).
 
 Fleets: a run is planned to a horizon the driver gives (the next event that can reach this
 replica) and committed once its time has passed, so nothing outside the replica sees its state
@@ -192,8 +196,8 @@ def decode_run(scheduler, plan: StepPlan, attempts: RunAttempts | None = None) \
     it does more than decode every running sequence once, a sequence has fewer than
     MIN_RUN_STEPS tokens to go, or a table does not hold exactly the blocks of its tokens so far
     (its partial tail shared, or with prefix caching a full block not registered), or the KV
-    manager cannot say (the contiguous one). `attempts` paces the looks that pass over the
-    batch (RunAttempts)."""
+    manager cannot say (the contiguous one), or a waiting request continues a live one.
+    `attempts` paces the looks that pass over the batch (RunAttempts)."""
     if plan.num_prefill_seqs or not plan.scheduled or plan.preempted or plan.cancelled \
             or plan.rejected or plan.block_copies or plan.swap_out or plan.swap_in:
         return None
@@ -204,8 +208,22 @@ def decode_run(scheduler, plan: StepPlan, attempts: RunAttempts | None = None) \
         return None
     if min(item.seq.request.output_tokens - item.seq.num_output_tokens
            for item in plan.scheduled) < MIN_RUN_STEPS \
-            or not all(appends(item.seq, item.start + 1) for item in plan.scheduled):
+            or not all(appends(item.seq, item.start + 1) for item in plan.scheduled) \
+            or _waits_on_a_live_turn(scheduler):
         if attempts is not None:
             attempts.found(0)
         return None
     return DecodeRun(scheduler, plan)
+
+
+def _waits_on_a_live_turn(scheduler) -> bool:
+    """Whether a waiting request continues (through any number of turns) a request that is not
+    final: one the scheduler still holds (`requests`: queued, running, swapped)."""
+    live = scheduler.requests
+    for req in scheduler.waiting:
+        turn = req.parent
+        while turn is not None:
+            if turn.request_id in live:
+                return True
+            turn = turn.parent
+    return False

@@ -11,6 +11,18 @@ A spec is the scenario's `workload.synthetic` mapping:
     cancel_fraction: 0.1                           # cancel_after_s ~ uniform [0, cancel_max_s]
     cancel_max_s: 5.0
     tenants: 3                                     # "t0".."t2", uniformly
+    conversation: {turns: 4, think_time_s: {dist: exponential, mean: 30}, new_tokens: 150}
+
+With `conversation`, the arrivals, `prompt_tokens`, `shared_prefix` and `tenants` are those of
+each conversation's first turn; every turn after it is a request that continues the one before
+(`parent_request_id`): its prompt is the previous turn's prompt + output + `new_tokens` (a
+length distribution, the user's next message), and it arrives `think_time_s` after the previous
+turn arrived (a number, or `{dist: fixed, value}`, `{dist: uniform, min, max}`,
+`{dist: exponential, mean}`, `{dist: lognormal, mean, sigma}`, in seconds >= 0; the time the
+answer takes is inside it, so a turn can arrive before the previous answer is complete).
+`turns` (an integer or a length distribution) counts the requests of a conversation, the
+first included. `output_tokens`, `n` and cancellations are drawn per request. The frame holds
+every turn, in arrival order.
 
 Length distributions: `{dist: fixed, value}`, `{dist: uniform, min, max}` (inclusive),
 `{dist: lognormal, mean, sigma, min?, max?}` (mean of the distribution, not its median; sigma in
@@ -33,7 +45,10 @@ from simkv.errors import InputError
 
 WHERE = "workload.synthetic"
 SPEC_KEYS = ["num_requests", "duration_s", "arrival", "prompt_tokens", "output_tokens",
-             "shared_prefix", "n", "cancel_fraction", "cancel_max_s", "tenants"]
+             "shared_prefix", "n", "cancel_fraction", "cancel_max_s", "tenants", "conversation"]
+CONVERSATION_KEYS = ["turns", "think_time_s", "new_tokens"]
+SECONDS_KEYS = {"fixed": ["value"], "uniform": ["min", "max"], "exponential": ["mean"],
+                "lognormal": ["mean", "sigma"]}
 DIST_KEYS = {"fixed": ["value"], "uniform": ["min", "max"],
              "lognormal": ["mean", "sigma", "min", "max"],
              "empirical": ["trace", "column", "format"]}
@@ -56,14 +71,19 @@ def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> p
         raise InputError(f"seed must be an integer >= 0, got {seed!r}")
     _check_keys(spec, SPEC_KEYS, WHERE)
     base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
-    arrival_rng, prompt_rng, output_rng, prefix_rng, n_rng, cancel_rng, tenant_rng = \
-        np.random.default_rng(seed).spawn(7)
+    # spawn(8)'s first seven streams are spawn(7)'s: a spec without `conversation` draws as before
+    arrival_rng, prompt_rng, output_rng, prefix_rng, n_rng, cancel_rng, tenant_rng, turn_rng = \
+        np.random.default_rng(seed).spawn(8)
 
     arrival_s = _arrivals(spec, arrival_rng)
-    count = len(arrival_s)
+    starts = len(arrival_s)           # requests, or conversations with `conversation`
+    turns = None
+    if spec.get("conversation") is not None:
+        turns, new_tokens, think_s = _turns(spec["conversation"], starts, turn_rng, base_dir)
+    count = starts if turns is None else int(turns.sum())
     columns = {
         "arrival_s": arrival_s,
-        "prompt_tokens": _lengths(_get(spec, "prompt_tokens", WHERE), count, prompt_rng,
+        "prompt_tokens": _lengths(_get(spec, "prompt_tokens", WHERE), starts, prompt_rng,
                                   f"{WHERE}.prompt_tokens", base_dir),
         "output_tokens": _lengths(_get(spec, "output_tokens", WHERE), count, output_rng,
                                   f"{WHERE}.output_tokens", base_dir),
@@ -71,6 +91,11 @@ def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> p
     if spec.get("shared_prefix") is not None:
         columns.update(_shared_prefix(spec["shared_prefix"], columns["prompt_tokens"],
                                       prefix_rng))
+    if spec.get("tenants") is not None:
+        tenants = _integer(spec, "tenants", WHERE)
+        columns["tenant"] = np.char.add("t", tenant_rng.integers(0, tenants, starts).astype(str))
+    if turns is not None:
+        columns = _conversations(columns, turns, new_tokens, think_s)
     if spec.get("n") is not None:
         columns["n"] = _lengths(spec["n"], count, n_rng, f"{WHERE}.n", base_dir)
     fraction = _number(spec, "cancel_fraction", WHERE, default=0.0, maximum=1.0)
@@ -80,9 +105,6 @@ def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> p
         chosen = _choose(cancel_rng, count, fraction)
         cancel_after_s[chosen] = cancel_rng.uniform(0.0, max_s, len(chosen))
         columns["cancel_after_s"] = cancel_after_s
-    if spec.get("tenants") is not None:
-        tenants = _integer(spec, "tenants", WHERE)
-        columns["tenant"] = np.char.add("t", tenant_rng.integers(0, tenants, count).astype(str))
     return build_trace(columns, source=f"synthetic (seed {seed})", format="synthetic")
 
 
@@ -207,6 +229,94 @@ def _shared_prefix(shared: dict, prompt: np.ndarray, rng: np.random.Generator) -
     block_tokens = np.zeros(count, dtype=np.int64)
     block_tokens[chosen] = block
     return {"prompt_tokens": prompt, "prefix_ids": prefix_ids, "prefix_block_tokens": block_tokens}
+
+
+def _turns(conversation: dict, starts: int, rng: np.random.Generator, base_dir: Path) -> tuple:
+    """Turns per conversation, then the new tokens and the think time (s) of each turn after
+    the first, in conversation order."""
+    where = f"{WHERE}.conversation"
+    if not isinstance(conversation, dict):
+        raise InputError(f"{where} must be a mapping with keys {', '.join(CONVERSATION_KEYS)}, "
+                         f"like {{turns: 4, think_time_s: 30, new_tokens: 150}}")
+    _check_keys(conversation, CONVERSATION_KEYS, where)
+    turn_rng, new_rng, think_rng = rng.spawn(3)
+    turns = _lengths(_get(conversation, "turns", where), starts, turn_rng, f"{where}.turns",
+                     base_dir)
+    later = int(turns.sum()) - starts
+    new_tokens = _lengths(_get(conversation, "new_tokens", where), later, new_rng,
+                          f"{where}.new_tokens", base_dir)
+    think_s = _seconds(_get(conversation, "think_time_s", where), later, think_rng,
+                       f"{where}.think_time_s")
+    return turns, new_tokens, think_s
+
+
+def _seconds(dist, count: int, rng: np.random.Generator, where: str) -> np.ndarray:
+    """Draw `count` durations >= 0 s from a number (fixed) or a duration distribution spec."""
+    if not isinstance(dist, dict):
+        if isinstance(dist, bool) or not isinstance(dist, (int, float, np.number)) \
+                or not math.isfinite(dist) or dist < 0:
+            raise InputError(f"{where} must be a number >= 0 (seconds) or a mapping like "
+                             f"{{dist: exponential, mean: 30}}, got {dist!r}")
+        return np.full(count, float(dist))
+    kind = dist.get("dist")
+    if kind not in SECONDS_KEYS:
+        raise InputError(f"{where}.dist must be one of {', '.join(SECONDS_KEYS)}, got {kind!r}")
+    _check_keys(dist, ["dist"] + SECONDS_KEYS[kind], where)
+    if kind == "fixed":
+        return np.full(count, _number(dist, "value", where))
+    if kind == "uniform":
+        low, high = _number(dist, "min", where), _number(dist, "max", where)
+        if high < low:
+            raise InputError(f"{where}.max must be >= {where}.min ({low:g}), got {high:g}")
+        return rng.uniform(low, high, count)
+    mean = _number(dist, "mean", where, positive=True)
+    if kind == "exponential":
+        return rng.exponential(mean, count)
+    sigma = _number(dist, "sigma", where)
+    return rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, count)
+
+
+def _conversations(first: dict, turns: np.ndarray, new_tokens: np.ndarray,
+                   think_s: np.ndarray) -> dict:
+    """Per-request columns from the first turns' columns (`first`: arrival_s, prompt_tokens,
+    maybe prefix_ids, prefix_block_tokens and tenant, one per conversation; output_tokens one
+    per request, in conversation order): each later turn continues the one before, its prompt
+    the previous prompt + output + its new tokens, arriving its think time after the previous
+    turn. Rows in arrival order (stable: a turn arriving with its parent comes after it), with
+    `parent_request_id` the parent's row."""
+    count = int(turns.sum())
+    conv = np.repeat(np.arange(len(turns)), turns)
+    firsts = np.concatenate([[0], np.cumsum(turns)[:-1]]).astype(np.int64)
+    later = np.ones(count, dtype=bool)
+    later[firsts] = False
+    output = first["output_tokens"]
+
+    def within(values):               # running sums restarted at each conversation's first turn
+        total = np.cumsum(values)
+        return total - np.repeat(total[firsts], turns)
+
+    delay = np.zeros(count)
+    delay[later] = think_s
+    growth = np.zeros(count, dtype=np.int64)
+    growth[later] = output[:-1][later[1:]] + new_tokens
+    rows = {"arrival_s": first["arrival_s"][conv] + within(delay),
+            "prompt_tokens": first["prompt_tokens"][conv] + within(growth),
+            "output_tokens": output,
+            "parent_request_id": np.where(later, np.arange(count) - 1, -1)}
+    if "prefix_ids" in first:
+        ids = first["prefix_ids"]
+        rows["prefix_ids"] = [None if k else ids[c]
+                              for c, k in zip(conv.tolist(), later.tolist())]
+        rows["prefix_block_tokens"] = np.where(later, 0, first["prefix_block_tokens"][conv])
+    if "tenant" in first:
+        rows["tenant"] = first["tenant"][conv]
+    order = np.argsort(rows["arrival_s"], kind="stable")
+    position = np.empty(count, dtype=np.int64)
+    position[order] = np.arange(count)
+    parent = rows["parent_request_id"]
+    rows["parent_request_id"] = np.where(parent >= 0, position[np.maximum(parent, 0)], -1)
+    return {name: [values[i] for i in order] if isinstance(values, list) else values[order]
+            for name, values in rows.items()}
 
 
 # --- validation helpers ----------------------------------------------------------------------

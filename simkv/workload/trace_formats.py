@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,11 @@ MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 BURSTGPT_COLUMNS = ["Timestamp", "Request tokens", "Response tokens"]
 CSV_REQUIRED = ["arrival_s", "prompt_tokens", "output_tokens"]
+# request_id: the trace's own ids, which parent_request_id refers to (default: the 0-based row);
+# requests are renumbered by arrival all the same
 CSV_OPTIONAL = ["prefix_ids", "prefix_block_tokens", "tenant", "adapter", "n", "cancel_after_s",
-                "request_id"]  # request_id is accepted and ignored: ids are renumbered by arrival
+                "request_id", "parent_request_id", "mm_spans"]
+MM_SPANS_EXAMPLE = "'0:576:cat.png 900:576:dog.png'"
 MOONCAKE_EXAMPLE = '{"timestamp": 0, "input_length": 600, "output_length": 20, "hash_ids": [0, 1]}'
 
 
@@ -101,7 +105,7 @@ def _load_canonical(path: Path):
     unknown = [c for c in raw.columns if c not in CSV_REQUIRED + CSV_OPTIONAL]
     if unknown:
         warnings.append(f"ignored unknown column(s) {', '.join(unknown)}; known: "
-                        + ", ".join(CSV_REQUIRED + CSV_OPTIONAL[:-1]))
+                        + ", ".join(CSV_REQUIRED + CSV_OPTIONAL))
     columns = {"arrival_s": _numbers(path, lines, raw["arrival_s"], integer=False),
                "prompt_tokens": _numbers(path, lines, raw["prompt_tokens"], minimum=1),
                "output_tokens": _numbers(path, lines, raw["output_tokens"], minimum=1)}
@@ -116,9 +120,107 @@ def _load_canonical(path: Path):
                                              empty_ok=True)
     if "prefix_ids" in raw:
         columns.update(_prefix_columns(path, lines, raw, columns["prompt_tokens"]))
+    if "mm_spans" in raw:
+        columns["mm_spans"] = _mm_spans(path, lines, raw["mm_spans"], columns["prompt_tokens"])
+    if "parent_request_id" in raw:
+        columns["parent_request_id"] = _parent_rows(path, lines, raw, columns)
     columns = {k: v.astype(np.int64) if k in ("prompt_tokens", "output_tokens", "n") else v
                for k, v in columns.items()}
     return columns, {}, warnings
+
+
+def _parent_rows(path, lines, raw, columns) -> np.ndarray:
+    """parent_request_id as the 0-based row of the parent (-1: none), checked: the parent
+    exists, arrives no later than the child (and is listed first when at the same time, so no
+    request continues itself through a cycle), and its prompt and output fit in the child's
+    prompt (the child's prompt is the parent's prompt + output + new tokens)."""
+    text = raw["parent_request_id"].str.strip().tolist()
+    if "request_id" in raw:            # the trace's own ids: any text, one per row
+        own = "request_id"
+        rows: dict = {}
+        for i, rid in enumerate(raw["request_id"].str.strip().tolist()):
+            if not rid:
+                raise InputError(f"{path}: line {lines[i]}: request_id is empty; with "
+                                 f"parent_request_id every request needs an id")
+            if rows.setdefault(rid, i) != i:
+                raise InputError(f"{path}: line {lines[i]}: request_id {rid!r} repeats line "
+                                 f"{lines[rows[rid]]}; every request needs its own id")
+    else:
+        own = "0-based row (there is no request_id column)"
+        rows = {str(i): i for i in range(len(raw))}
+    parents = np.full(len(raw), -1, dtype=np.int64)
+    for i, parent in enumerate(text):
+        if parent in ("", "-1"):
+            continue
+        p = rows.get(parent)
+        if p is None:
+            raise InputError(f"{path}: line {lines[i]}: parent_request_id {parent!r} names no "
+                             f"request (it refers to a {own}); leave it empty or -1 for none")
+        if p == i:
+            raise InputError(f"{path}: line {lines[i]}: parent_request_id {parent!r} is the "
+                             f"request itself; a prompt can only continue an earlier request")
+        parents[i] = p
+    arrival, prompt, output = (columns[k] for k in ("arrival_s", "prompt_tokens", "output_tokens"))
+    for i in np.flatnonzero(parents >= 0).tolist():
+        p = int(parents[i])
+        where = f"{path}: line {lines[i]}: parent_request_id {text[i]!r} (line {lines[p]})"
+        if arrival[p] > arrival[i] or (arrival[p] == arrival[i] and p > i):
+            cycle = _cycle_through(parents, i)
+            if cycle:
+                raise InputError(f"{where} closes a cycle of parents (lines "
+                                 f"{' -> '.join(str(lines[r]) for r in cycle)}); each request "
+                                 f"must continue an earlier one")
+            later = "after" if arrival[p] > arrival[i] else "at the same time as, and below,"
+            raise InputError(f"{where} arrives {later} this request ({arrival[p]:g} s against "
+                             f"{arrival[i]:g} s); a parent must arrive first")
+        if prompt[i] < prompt[p] + output[p]:
+            raise InputError(f"{where}: prompt_tokens {int(prompt[i])} is shorter than the "
+                             f"parent's prompt {int(prompt[p])} + output {int(output[p])} = "
+                             f"{int(prompt[p] + output[p])}; the prompt continues the parent's")
+    return parents
+
+
+def _cycle_through(parents: np.ndarray, start: int) -> list:
+    """The rows of the cycle of parents that `start` lies on, from `start` back to it (empty:
+    none)."""
+    path, row = [start], int(parents[start])
+    while row >= 0 and len(path) <= len(parents):
+        if row == start:
+            return path + [start]
+        path.append(row)
+        row = int(parents[row])
+    return []
+
+
+def _mm_spans(path, lines, text: pd.Series, prompt) -> list:
+    """Parse `offset:length:id` items (space-separated) into sorted (offset, length, id)
+    tuples, None where empty; each item inside the prompt, none overlapping another."""
+    spans = []
+    for i, cell in enumerate(text.str.strip().tolist()):
+        if not cell:
+            spans.append(None)
+            continue
+        where = f"{path}: line {lines[i]}: mm_spans"
+        items = []
+        for item in cell.split():
+            parts = item.split(":", 2)
+            if len(parts) != 3 or not parts[2] or not all(
+                    re.fullmatch(r"[0-9]{1,12}", p) for p in parts[:2]):
+                raise InputError(f"{where}: item {item!r} is not offset:length:id (offset and "
+                                 f"length integers >= 0, id any text), e.g. {MM_SPANS_EXAMPLE}")
+            offset, length = int(parts[0]), int(parts[1])
+            if length < 1 or offset + length > prompt[i]:
+                raise InputError(f"{where}: item {item!r} must cover 1 or more tokens inside "
+                                 f"the prompt of {int(prompt[i])} tokens (offset + length <= "
+                                 f"prompt_tokens)")
+            items.append((offset, length, parts[2]))
+        items.sort()
+        for (o1, l1, a), (o2, _, b) in zip(items, items[1:]):
+            if o2 < o1 + l1:
+                raise InputError(f"{where}: items {o1}:{l1}:{a} and {o2}:...:{b} overlap; "
+                                 f"each placeholder token belongs to one item")
+        spans.append(tuple(items))
+    return spans
 
 
 def _prefix_columns(path, lines, raw, prompt):

@@ -28,7 +28,8 @@ __all__ = ["AZURE_COLUMNS", "BURSTGPT_COLUMNS", "COLUMNS", "CSV_OPTIONAL", "CSV_
            "detect_format", "load_trace", "trace_stats", "write_canonical"]
 
 COLUMNS = ["request_id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids",
-           "prefix_block_tokens", "tenant", "adapter", "n", "cancel_after_s"]
+           "prefix_block_tokens", "tenant", "adapter", "n", "cancel_after_s",
+           "parent_request_id", "mm_spans"]
 FORMATS = ("azure", "mooncake", "burstgpt", "csv")
 
 
@@ -79,9 +80,13 @@ def build_trace(columns: Mapping[str, object], *, source: str, format: str,
     """Assemble the canonical frame from per-request columns (any order of arrival).
 
     `columns` needs `arrival_s` (s), `prompt_tokens`, `output_tokens`; the other COLUMNS default
-    to no prefix ids, tenant/adapter "", n 1, never cancelled. Rows are sorted stably by arrival
-    (a warning counts those out of order), shifted to start at 0.0 s, inter-arrival times
-    multiplied by `time_scale`, and cut to the first `limit`. The inputs are trusted.
+    to no prefix ids, tenant/adapter "", n 1, never cancelled, no parent, no multimodal spans.
+    `parent_request_id` gives each row's parent as its 0-based index in `columns` (-1: none);
+    `mm_spans` a tuple of (offset, length, id text) per row, or None. Rows are sorted stably by
+    arrival (a warning counts those out of order), shifted to start at 0.0 s, inter-arrival
+    times multiplied by `time_scale`, and cut to the first `limit`; in the frame a parent is
+    named by its `request_id` (its position in arrival order). The inputs are trusted: a
+    parent comes before its child in arrival order (the loaders check it).
     """
     dropped = dict(dropped or {})
     warnings = list(warnings or [])
@@ -102,6 +107,7 @@ def build_trace(columns: Mapping[str, object], *, source: str, format: str,
         return np.full(rows, default, dtype=dtype) if values is None else np.asarray(values, dtype)
 
     prefix_ids = columns.get("prefix_ids")
+    mm_spans = columns.get("mm_spans")
     frame = pd.DataFrame({
         "arrival_s": arrival,
         "prompt_tokens": column("prompt_tokens", 0, np.int64),
@@ -113,11 +119,21 @@ def build_trace(columns: Mapping[str, object], *, source: str, format: str,
         "adapter": column("adapter", "", object),
         "n": column("n", 1, np.int64),
         "cancel_after_s": column("cancel_after_s", np.nan, float),
+        "parent_request_id": column("parent_request_id", -1, np.int64),
+        "mm_spans": pd.Series([None] * rows if mm_spans is None else list(mm_spans),
+                              dtype=object),
     })
     out_of_order = int((arrival < np.maximum.accumulate(arrival)).sum())
     if out_of_order:
         warnings.append(f"{out_of_order} request(s) arrived out of order; sorted by arrival")
-        frame = frame.iloc[np.argsort(arrival, kind="stable")].reset_index(drop=True)
+        order = np.argsort(arrival, kind="stable")
+        frame = frame.iloc[order].reset_index(drop=True)
+        if columns.get("parent_request_id") is not None:   # rows -> positions in the new order
+            position = np.empty(rows, dtype=np.int64)
+            position[order] = np.arange(rows)
+            parent = frame["parent_request_id"].to_numpy()
+            frame["parent_request_id"] = np.where(parent >= 0, position[np.maximum(parent, 0)],
+                                                  -1)
     if limit is not None:
         frame = frame.iloc[:limit].reset_index(drop=True)
     frame["arrival_s"] = (frame["arrival_s"] - frame["arrival_s"].iloc[0]) * float(time_scale)
@@ -151,6 +167,8 @@ def trace_stats(df: pd.DataFrame) -> dict:
         keys = pd.DataFrame({"block_tokens": np.repeat(blocks, lengths), "id": flat})
         repeat_fraction = float(keys.duplicated().mean())
         block_tokens = int(pd.Series(blocks).mode().iloc[0])
+    parent = df["parent_request_id"] if "parent_request_id" in df else pd.Series(-1, df.index)
+    mm_spans = df["mm_spans"] if "mm_spans" in df else pd.Series(None, df.index, dtype=object)
     return {
         "format": df.attrs.get("format"),
         "source": df.attrs.get("source"),
@@ -167,6 +185,8 @@ def trace_stats(df: pd.DataFrame) -> dict:
         "n_gt1_fraction": float((df["n"] > 1).mean()) if requests else 0.0,
         "cancel_fraction": float(df["cancel_after_s"].notna().mean()) if requests else 0.0,
         "tenants": int(df["tenant"][df["tenant"] != ""].nunique()),
+        "turn_fraction": float((parent >= 0).mean()) if requests else 0.0,
+        "mm_fraction": float(mm_spans.notna().mean()) if requests else 0.0,
         "dropped": {str(k): int(v) for k, v in df.attrs.get("dropped", {}).items()},
         "warnings": [str(w) for w in df.attrs.get("warnings", [])],
     }
@@ -176,14 +196,26 @@ def write_canonical(df: pd.DataFrame, path: str | Path) -> Path:
     """Write a canonical frame as the canonical CSV at `path`, atomically; returns the path.
 
     prefix_ids are written space-separated, a never-cancelled request's cancel_after_s empty.
-    Floats are written at full precision, so `load_trace` reads back an equal frame.
+    Floats are written at full precision, so `load_trace` reads back an equal frame. The turn
+    columns (request_id, parent_request_id; empty for none) and mm_spans (offset:length:id
+    items) are written only when some request has them.
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise InputError(f"{path}: output directory {path.parent} does not exist")
-    out = df[[c for c in COLUMNS if c != "request_id"]].copy()
+    columns = [c for c in COLUMNS[:COLUMNS.index("parent_request_id")] if c != "request_id"]
+    turns = "parent_request_id" in df and bool((df["parent_request_id"] >= 0).any())
+    spans = "mm_spans" in df and bool(df["mm_spans"].notna().any())
+    out = df[columns].copy()
     out["prefix_ids"] = out["prefix_ids"].map(
         lambda ids: " ".join(map(str, ids)) if isinstance(ids, (tuple, list)) else "")
+    if turns:
+        out.insert(0, "request_id", df["request_id"].to_numpy())
+        out["parent_request_id"] = [str(p) if p >= 0 else ""
+                                    for p in df["parent_request_id"].tolist()]
+    if spans:
+        out["mm_spans"] = [" ".join(f"{o}:{n}:{key}" for o, n, key in items) if items else ""
+                           for items in df["mm_spans"].tolist()]
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:

@@ -9,6 +9,18 @@ a trace gives one chained id per `prefix_block_tokens` tokens, so equal ids at p
 whole prompt up to the end of that trace block is equal. A simulator block is then identified by
 the trace id covering its last token and that token's position. Tokens with no shared identity
 (the rest of a prompt, sampled tokens) get keys unique to the request (and sample).
+
+Turns (`Request.parent`): a prompt that continues an earlier request is its prompt, its output
+(sample 0's) and new tokens, so a block that lies wholly inside the earlier request's prompt +
+output has the key that request's block had, its prompt key or its sampled-token key, and so on
+back through every earlier turn. vLLM needs no such rule: it hashes a full block's tokens
+whether they were prompt or sampled (vllm/v1/core/kv_cache_utils.py, get_request_block_hasher).
+
+Multimodal items (`Request.mm_spans`, (offset, length, key) each): a block that any item's
+placeholder tokens overlap gets (key, offset - block start) per such item as an extra key, as
+vLLM's _gen_mm_extra_hash_keys (vllm/v1/core/kv_cache_utils.py) does; blocks before the first
+item are keyed as if there were none, so text before an image is shared across images.
+`Request.mm_key`, when set, is one identity for the whole request and goes into the root.
 """
 from __future__ import annotations
 
@@ -23,6 +35,35 @@ def hash_root(request: Request, global_scope: bool) -> int:
     return hash((tenant, stable_key(request.adapter), stable_key(request.mm_key)))
 
 
+def mm_extra_keys(mm_spans, start: int, end: int) -> tuple:
+    """The multimodal extra keys of the block of tokens [start, end): (key, offset - start) for
+    each item of `mm_spans` ((offset, length, key), sorted by offset) whose tokens
+    [offset, offset + length) overlap it; () when none does."""
+    return tuple((key, offset - start) for offset, length, key in mm_spans
+                 if offset < end and start < offset + length)
+
+
+def simulated_block_key(req: Request, i: int, sample: int, block_size: int):
+    """The identity of block i (tokens [i * block_size, (i + 1) * block_size)) of sample
+    `sample` of `req` in the simulator, which has no token ids: see the module docstring."""
+    last = (i + 1) * block_size - 1
+    turn = req.parent
+    while turn is not None and last < turn.prompt_tokens + turn.output_tokens:
+        req, sample, turn = turn, 0, turn.parent     # the block is the earlier turn's
+    ids, pbt = req.prefix_ids, req.prefix_block_tokens
+    if last >= req.prompt_tokens:
+        key = (_UNIQUE, req.request_id, i, sample)
+    elif ids is not None and last // pbt < len(ids):
+        key = (ids[last // pbt], last)
+    else:
+        key = (_UNIQUE, req.request_id, i)
+    if req.mm_spans:
+        extra = mm_extra_keys(req.mm_spans, i * block_size, last + 1)
+        if extra:
+            key = (key, extra)
+    return key
+
+
 def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) -> list:
     """Grow `seq.block_hashes` to cover its first `num_full_blocks` full blocks; returns the list."""
     hashes = seq.block_hashes
@@ -33,11 +74,18 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
     parent = hashes[-1] if hashes else req.hash_root
     tokens = seq.token_ids
     prompt = req.prompt_tokens
+    append = hashes.append
+    if tokens is None and (req.parent is not None or req.mm_spans):
+        sample = seq.sample
+        while i < num_full_blocks:
+            parent = hash((parent, simulated_block_key(req, i, sample, block_size)))
+            append(parent)
+            i += 1
+        return hashes
     ids = req.prefix_ids
     pbt = req.prefix_block_tokens
-    if tokens is None:              # the simulator: trace ids, else keys unique to the request
+    if tokens is None:              # the simulator: simulated_block_key, written out for speed
         rid, sample = req.request_id, seq.sample
-        append = hashes.append
         while i < num_full_blocks:
             last = (i + 1) * block_size - 1
             if last < prompt and ids is not None and last // pbt < len(ids):
@@ -50,6 +98,7 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
             append(parent)
             i += 1
         return hashes
+    mm_spans = req.mm_spans
     while i < num_full_blocks:
         last = (i + 1) * block_size - 1
         key = tuple(tokens[i * block_size:last + 1])
@@ -57,7 +106,11 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
             # Sampled tokens are the sample's own: equal greedy samples must not share
             # blocks, or the engine would share what the simulator keeps apart.
             key = (key, seq.sample)
+        if mm_spans:
+            extra = mm_extra_keys(mm_spans, i * block_size, last + 1)
+            if extra:
+                key = (key, extra)
         parent = hash((parent, key))
-        hashes.append(parent)
+        append(parent)
         i += 1
     return hashes
