@@ -404,7 +404,10 @@ def build_profile(raw: dict, out_dir, raw_path: str = "") -> dict:
         "graph_batch_sizes": full, "mixed_token_sizes": piecewise,
         "max_num_seqs": int(m["engine_kwargs"]["max_num_seqs"]),
         "max_model_len": int(m["engine_kwargs"]["max_model_len"]),
-        "sm_count": m.get("sm_count"),
+        # simkv's layout splits each decode over programs by its own kernel's rule
+        # (sm_count); vLLM's FlashAttention 3 splits by its own, so the layout leaves the SM
+        # count out and the formula's decode tail reads the longest context
+        "sm_count": 0, "device_sm_count": m.get("sm_count"),
         "date": m["date"], "command": m["command"],
         "build_command": f"python -m simkv.gpu.vllm.step_profile build {raw_path} --out {out}",
         "versions": m["versions"], "nvidia_smi": m.get("nvidia_smi"),
