@@ -1,6 +1,8 @@
 """The vLLM tables of docs/validation.md, from the comparison JSONs that compare_all.sh writes.
 
     python scripts/vllm_device/table.py profiles/h200/llama-3.1-8b/vllm-0.26/compare
+    python scripts/vllm_device/table.py --measurements     # every run's passes
+    python scripts/vllm_device/table.py --step-profile     # vLLM's own step times
 
 Per scenario and comparison ((a) bundled: the H200 profile as is; (b) calibrated: step times
 scaled to vLLM's saturated run), simkv's error per metric judged on the mean of the runs:
@@ -140,7 +142,74 @@ def step_table(results: dict) -> list:
     return lines
 
 
+RUNS = Path("profiles/h200/llama-3.1-8b/vllm-0.26")
+
+
+def measurements_table() -> list:
+    """Every committed vLLM run's passes (summary.json), as docs/validation.md lists them."""
+    lines = ["| scenario | run | pass | duration s | TTFT mean ms | TTFT p90 ms | TPOT ms | E2E s | "
+             "output tok/s | preemptions | peak running | completed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ORDER:
+        for run in sorted((RUNS / name).glob("run*")):
+            for p in ("saturated", "realtime"):
+                s = json.loads((run / p / "summary.json").read_text())
+                lines.append(
+                    f"| {name} | {run.name[3:]} | {p} | {s['sim_duration_s']:.2f} | "
+                    f"{s['ttft_s']['mean'] * 1e3:.1f} | {s['ttft_s']['p90'] * 1e3:.1f} | "
+                    f"{s['tpot_s']['mean'] * 1e3:.2f} | {s['e2e_s']['mean']:.3f} | "
+                    f"{s['throughput_output_tokens_per_s']:.0f} | {s['preemptions']} | "
+                    f"{s['running_peak']} | {s['requests_completed']}/{s['requests_total']} |")
+    return lines
+
+
+def step_profile_tables() -> list:
+    """vLLM's own step times (step-profile/steps.csv): decode-only steps by batch and context
+    (the ladders' stages, ms) and a prompt injected into a decode batch (ms, its window)."""
+    df = pd.read_csv(RUNS / "step-profile" / "steps.csv")
+    dec = df[(df["family"] == "decode") & df["phase"].str.startswith("decode-")
+             & ~df["phase"].str.endswith("-r2")].copy()
+    dec["context"] = dec["phase"].str.extract(r"-c(\d+)-")[0].astype(int)
+    batches = [1, 4, 16, 64, 128, 256]
+    dec = dec[dec["num_decode_seqs"].isin(batches)]
+    table = dec.pivot_table(index="context", columns="num_decode_seqs", values="time_s",
+                            aggfunc="median") * 1e3
+    lines = ["| prompt context | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---" * (len(batches) + 1) + "|"]
+    for ctx, row in table.iterrows():
+        lines.append(f"| {ctx:,} | " + " | ".join("–" if pd.isna(row.get(b)) else
+                                                   f"{row[b]:.2f}" for b in batches) + " |")
+    inj = df[df["phase"].str.startswith("inject-") & (df["timing"] == "window")].copy()
+    inj["batch"] = inj["phase"].str.extract(r"-b(\d+)")[0].astype(int)
+    sizes = [16, 128, 384, 512, 1024, 2048, 4096]
+    inj = inj[inj["num_prefill_tokens"].isin(sizes)]
+    table = inj.pivot_table(index="num_prefill_tokens", columns="batch", values="time_s",
+                            aggfunc="median") * 1e3
+    lines += ["", "| prompt tokens | " + " | ".join(
+        f"with {b} decode{'s' if b > 1 else ''}" for b in table.columns) + " |",
+        "|---" * (len(table.columns) + 1) + "|"]
+    for tokens, row in table.iterrows():
+        lines.append(f"| {int(tokens):,} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    # the same ladder twice: its decode stages' medians against each other
+    again = df[df["phase"] == "decode-c1024-b256-r2"].set_index("num_decode_seqs")["time_s"]
+    first = df[(df["phase"] == "decode-c1024-b256") & (df["family"] == "decode")]
+    first = first.set_index("num_decode_seqs")["time_s"]
+    both = [b for b in first.index if b in again.index]
+    if both:
+        diff = [abs(again[b] / first[b] - 1) for b in both]
+        lines += ["", f"decode-c1024-b256 measured twice: its {len(both)} decode batches "
+                  f"({', '.join(str(int(b)) for b in both)}) {max(diff) * 100:.1f}% apart at most"]
+    return lines
+    return lines
+
+
 def main(folder: str) -> int:
+    if folder == "--measurements":
+        print("\n".join(measurements_table()))
+        return 0
+    if folder == "--step-profile":
+        print("\n".join(step_profile_tables()))
+        return 0
     results = read(Path(folder))
     head = "| scenario | runs | load | comparison | scale | " + " | ".join(HEADER) + \
         " | num_blocks | all aims |"
