@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from simkv.config import semantics as rules
+from simkv import semantics as rules
 from simkv.specs import GpuSpec, ModelSpec, profiles_dir
 from simkv.errors import InputError, read_json_object
 

@@ -273,7 +273,7 @@ def test_the_decode_time_split_takes_the_preparation_out_of_the_span(tmp_path, c
 
 
 def test_a_comparison_simulates_under_the_rules_the_measurement_ran_under(measured, tmp_path):
-    """meta.json records the semantics (simkv.config.semantics); a measurement from before it
+    """meta.json records the semantics (simkv.semantics); a measurement from before it
     did ran under vllm-0.18 (simkv's engine) or vllm-0.26 (vLLM v0.26 itself)."""
     from simkv.validation.compare import measured_semantics
     path, out = measured

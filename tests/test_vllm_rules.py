@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from simkv.config import semantics as rules
+from simkv import semantics as rules
 from simkv.config.scenario import CacheConfig, SchedulerConfig, load_scenario
 from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.engine.request import Request, RequestStatus

@@ -29,7 +29,7 @@ def size(
     as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
 ) -> None:
     """KV sizing arithmetic and pool size for a model on a GPU."""
-    from simkv.config import semantics as rules
+    from simkv import semantics as rules
     from simkv.config.scenario import CacheConfig, SchedulerConfig
     from simkv.sizing import fit_error, size_pool
     from simkv.specs import KV_DTYPE_BYTES, load_gpu, load_model

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from simkv.config.keys import (EFFECTS, FREE_FORM, KEY_TYPES, SECTIONS, SLO_EXAMPLES, SLO_KEY,
                                TOP_LEVEL_TYPES, VALID_KEYS, apply_overrides, parse_set)
-from simkv.config import semantics as rules
+from simkv import semantics as rules
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
 from simkv.config.validate import (CHOICES, COST_MODEL_KEYWORDS, GPU_CLOCK_CHOICES, Validator,
                                    check_against_model, check_ranges, check_workload,
@@ -40,7 +40,7 @@ class Scenario:
     step_time_scale: float = 1.0                # multiplies every predicted step time
     effects: tuple = EFFECTS                    # the cost model's layers on the fitted forward
     seed: int = 0
-    semantics: str = rules.DEFAULT_SEMANTICS    # vllm-0.26 | vllm-0.18 (simkv.config.semantics)
+    semantics: str = rules.DEFAULT_SEMANTICS    # vllm-0.26 | vllm-0.18 (simkv.semantics)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)

@@ -20,7 +20,7 @@ class CacheConfig:
     preemption_mode: str = "recompute"          # recompute | swap
     swap_space_gib: float = 4.0
     num_gpu_blocks_override: Optional[int] = None
-    # rules that follow `semantics:` when left null (simkv.config.semantics)
+    # rules that follow `semantics:` when left null (simkv.semantics)
     null_block: Optional[bool] = None           # one pool block kept as vLLM's null block
     duplicate_blocks: Optional[bool] = None     # several blocks may be indexed under one hash
 
@@ -35,7 +35,7 @@ class SchedulerConfig:
     preemption_policy: str = "recent"           # recent (most recently admitted) | priority
     policy: str = "fcfs"                        # fcfs | priority (admission order and victims)
     max_loras: Optional[int] = None             # distinct adapters per step (None = no limit)
-    # rules that follow `semantics:` when left null (simkv.config.semantics)
+    # rules that follow `semantics:` when left null (simkv.semantics)
     reserve_full_prompt: Optional[bool] = None  # admit only when the whole prompt's blocks fit
     parallel_sampling: Optional[str] = None     # fanout (n child requests) | fork
     cap_output_tokens: Optional[bool] = None    # cap outputs at max_model_len; else reject

@@ -88,7 +88,7 @@ def _measured_requests(measured_dir: Path, scenario):
 def measured_semantics(meta: dict) -> str:
     """The scheduling rules a measurement ran under: as its meta.json records them; before
     they were recorded, vllm-0.26 for vLLM v0.26 itself and vllm-0.18 for simkv's engine."""
-    from simkv.config import semantics as rules
+    from simkv import semantics as rules
     if meta.get("semantics"):
         return meta["semantics"]
     engine = meta.get("engine") or {}
@@ -98,7 +98,7 @@ def measured_semantics(meta: dict) -> str:
 
 
 def _as_measured(scn, meta: dict):
-    """`scn` under the rules the measurement ran under (simkv.config.semantics)."""
+    """`scn` under the rules the measurement ran under (simkv.semantics)."""
     semantics = measured_semantics(meta)
     if scn.semantics == semantics:
         return scn
