@@ -55,7 +55,7 @@ def test_quickstart_loads_with_its_model_gpu_workload_and_slos():
 
 def test_unset_keys_take_the_documented_defaults():
     scn = load_scenario(minimal())
-    # the rules left null follow semantics vllm-0.26 (simkv.config.semantics)
+    # the rules left null follow semantics vllm-0.26 (simkv.semantics)
     assert scn.semantics == "vllm-0.26"
     assert scn.cache == CacheConfig(null_block=True, duplicate_blocks=True)
     assert scn.scheduler == SchedulerConfig(
