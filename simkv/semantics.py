@@ -20,6 +20,7 @@ RULES: dict[str, dict[str, Any]] = {
     "scheduler.cap_output_tokens": {"vllm-0.26": True, "vllm-0.18": False},
     "cache.null_block": {"vllm-0.26": True, "vllm-0.18": False},
     "cache.duplicate_blocks": {"vllm-0.26": True, "vllm-0.18": False},
+    "cache.pool_sizing": {"vllm-0.26": "vllm", "vllm-0.18": "engine"},
 }
 
 # vLLM v0.26 engine arguments, EngineArgs.get_batch_defaults (vllm/engine/arg_utils.py): an API

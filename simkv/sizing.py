@@ -229,6 +229,10 @@ def _estimated_terms(model: ModelSpec, scheduler: SchedulerConfig) -> tuple:
     return weights, activation, sum(other_parts.values()), other_parts
 
 
+# the parts of "other" that vLLM's pool sizing leaves outside the budget (cache.pool_sizing: vllm)
+OUTSIDE_VLLM_BUDGET = ("cuda_graph_pool_bytes", "allocator_slack_bytes")
+
+
 def size_pool(
     model: ModelSpec, gpu: GpuSpec, cache: CacheConfig, scheduler: SchedulerConfig
 ) -> Sizing:
@@ -239,7 +243,7 @@ def size_pool(
     loaded from a scenario) take semantics vllm-0.26's values.
     """
     if scheduler.max_num_seqs is None or scheduler.max_num_batched_tokens is None \
-            or cache.null_block is None:
+            or cache.null_block is None or cache.pool_sizing is None:
         cache, scheduler = copy.copy(cache), copy.copy(scheduler)
         rules.resolve(rules.DEFAULT_SEMANTICS, cache, scheduler, gpu)
     bytes_per_token = model.kv_bytes_per_token(cache.kv_dtype)
@@ -255,6 +259,14 @@ def size_pool(
         source = "estimate"
         weights, activation, other, other_parts = _estimated_terms(model, scheduler)
         ledger_file = None
+    # vLLM sizes its pool by a profile run: the budget less the weights, the peak of torch's
+    # allocations and the memory outside torch; CUDA graphs are captured afterwards and the
+    # allocator's reserve is not counted, so both lie outside the budget
+    # (vllm/v1/worker/gpu_worker.py, Worker.determine_available_memory)
+    outside_budget = 0
+    if cache.pool_sizing == "vllm":
+        outside_budget = sum(other_parts.get(k, 0) for k in OUTSIDE_VLLM_BUDGET)
+        other -= outside_budget
     if cache.preemption_mode == "swap":
         # The staging is freed before the forward runs, on the same stream, so the allocator
         # hands its memory to the forward's workspace: only what exceeds the workspace adds.
@@ -282,7 +294,7 @@ def size_pool(
     # remainder that does not make a whole block, and the memory outside the budget.
     ledger = {
         "device_memory_bytes": gpu.memory_bytes,
-        "outside_budget_bytes": gpu.memory_bytes - budget,
+        "outside_budget_bytes": gpu.memory_bytes - budget - outside_budget,
         "weights_bytes": weights,
         "activation_bytes": activation,
         **other_parts,

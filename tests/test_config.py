@@ -57,7 +57,7 @@ def test_unset_keys_take_the_documented_defaults():
     scn = load_scenario(minimal())
     # the rules left null follow semantics vllm-0.26 (simkv.semantics)
     assert scn.semantics == "vllm-0.26"
-    assert scn.cache == CacheConfig(null_block=True, duplicate_blocks=True)
+    assert scn.cache == CacheConfig(null_block=True, duplicate_blocks=True, pool_sizing="vllm")
     assert scn.scheduler == SchedulerConfig(
         max_model_len=131072, max_num_seqs=1024, max_num_batched_tokens=8192,
         reserve_full_prompt=True, parallel_sampling="fanout", cap_output_tokens=True)

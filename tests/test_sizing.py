@@ -28,7 +28,9 @@ def limits(**knobs) -> SchedulerConfig:
 
 
 def sizing(model="llama-3.1-8b", gpu="h200", cache=None, scheduler=None):
-    return size_pool(load_model(model), load_gpu(gpu), cache or CacheConfig(),
+    """Sized as simkv's engine holds its memory (its graphs and allocator reserve inside the
+    budget: cache.pool_sizing engine) unless `cache` says otherwise."""
+    return size_pool(load_model(model), load_gpu(gpu), cache or CacheConfig(pool_sizing="engine"),
                      scheduler or limits())
 
 

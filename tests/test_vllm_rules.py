@@ -329,3 +329,22 @@ def test_an_unknown_semantics_is_one_line_naming_the_key():
     from simkv.errors import InputError
     with pytest.raises(InputError, match="semantics: 'vllm-0.3' is not one of"):
         load_scenario(minimal(semantics="vllm-0.3"))
+
+
+def test_vllm_sizes_its_pool_without_the_graphs_and_the_allocators_reserve():
+    """vllm/v1/worker/gpu_worker.py, Worker.determine_available_memory: the pool is the budget
+    less the weights, torch's peak allocation and the memory outside torch; CUDA graphs are
+    captured afterwards, outside the budget, and the caching allocator's reserve is not
+    counted. cache.pool_sizing: vllm (semantics vllm-0.26) against engine (vllm-0.18, simkv's
+    engine's ledger): the pool grows by exactly those two parts."""
+    from simkv.sizing import OUTSIDE_VLLM_BUDGET
+    model, gpu = load_model("llama-3.1-8b"), load_gpu("h200")
+    sched = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+    vllm = size_pool(model, gpu, CacheConfig(pool_sizing="vllm", null_block=True), sched)
+    engine = size_pool(model, gpu, CacheConfig(pool_sizing="engine", null_block=True), sched)
+    moved = sum(engine.ledger[k] for k in OUTSIDE_VLLM_BUDGET)
+    assert moved > 0
+    assert vllm.kv_pool_bytes - engine.kv_pool_bytes == moved
+    assert vllm.other_bytes == engine.other_bytes - moved
+    assert sum(v for k, v in vllm.ledger.items() if k != "device_memory_bytes") \
+        == gpu.memory_bytes
