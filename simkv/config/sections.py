@@ -23,6 +23,8 @@ class CacheConfig:
     # rules that follow `semantics:` when left null (simkv.semantics)
     null_block: Optional[bool] = None           # one pool block kept as vLLM's null block
     duplicate_blocks: Optional[bool] = None     # several blocks may be indexed under one hash
+    pool_sizing: Optional[str] = None           # vllm (graphs, allocator slack outside the
+                                                # budget) | engine (simkv's engine's ledger)
 
 
 @dataclass

@@ -14,6 +14,7 @@ CHOICES = {
     "cache.allocator": ("paged", "contiguous"),
     "cache.prefix_sharing_scope": ("tenant", "global"),
     "cache.preemption_mode": ("recompute", "swap"),
+    "cache.pool_sizing": ("vllm", "engine"),
     "scheduler.preemption_policy": ("recent", "priority"),
     "scheduler.policy": ("fcfs", "priority"),
     "scheduler.parallel_sampling": ("fanout", "fork"),
