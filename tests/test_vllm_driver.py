@@ -104,6 +104,19 @@ def test_a_request_without_output_tokens_is_refused_at_the_boundary():
         vllm_requests(frame, 1000)
 
 
+def test_turns_and_multimodal_spans_are_refused_at_the_boundary():
+    base = {"request_id": [0, 1], "arrival_s": [0.0, 1.0], "prompt_tokens": [10, 30],
+            "output_tokens": [5, 5], "n": [1, 1], "prefix_ids": [None, None],
+            "prefix_block_tokens": [16, 16], "tenant": ["", ""], "adapter": ["", ""],
+            "cancel_after_s": [math.nan, math.nan]}
+    turns = pd.DataFrame({**base, "parent_request_id": [-1, 0]})
+    with pytest.raises(InputError, match="request 1 continues request 0"):
+        vllm_requests(turns, 1000)
+    images = pd.DataFrame({**base, "mm_spans": [None, ((2, 8, "cat"),)]})
+    with pytest.raises(InputError, match="request 1 has multimodal spans"):
+        vllm_requests(images, 1000)
+
+
 # -- engine arguments -----------------------------------------------------------------------
 
 def test_engine_arguments_pass_every_scheduling_setting_explicitly(tmp_path, bursty):

@@ -39,10 +39,19 @@ def vllm_requests(frame, vocab_size: int, seed: int = 0, *, at_zero: bool = Fals
     """VllmRequests of a canonical requests frame, in arrival order (request id breaks ties).
 
     `at_zero`: every arrival at 0 (the saturated pass). Raises InputError for a request vLLM
-    cannot serve as asked (no prompt, no output token).
+    cannot serve as asked (no prompt, no output token) and for what the prompt token ids cannot
+    say: a turn that continues an earlier request (its prompt holds that request's answer,
+    known only once it is generated) and multimodal spans.
     """
     out = []
     for req in requests_from_frame(frame):
+        if req.parent_request_id >= 0:
+            raise InputError(f"request {req.request_id} continues request "
+                             f"{req.parent_request_id} (parent_request_id): turns are simulated "
+                             "only")
+        if req.mm_spans:
+            raise InputError(f"request {req.request_id} has multimodal spans (mm_spans): a "
+                             "text-only engine cannot serve them")
         if req.prompt_tokens < 1 or req.output_tokens < 1:
             raise InputError(f"request {req.request_id}: vLLM needs at least one prompt and one "
                              f"output token (has {req.prompt_tokens} and {req.output_tokens})")
