@@ -37,7 +37,7 @@ SCENARIOS = {
 }
 OLD = {"scheduler.reserve_full_prompt": False, "scheduler.parallel_sampling": "fork",
        "scheduler.cap_output_tokens": False, "cache.null_block": False,
-       "cache.duplicate_blocks": False}
+       "cache.duplicate_blocks": False, "cache.pool_sizing": "engine"}
 KEYS = ("num_blocks", "preemptions", "ttft_s.p50", "ttft_s.p90", "tpot_s.mean", "tpot_s.p90",
         "e2e_s.p50", "throughput_output_tokens_per_s", "prefix_cache_hit_ratio",
         "kv_blocks_peak", "running_mean", "requests_completed", "requests_capped")
@@ -47,8 +47,9 @@ def variants() -> list:
     """(label, overrides): the two semantics, then vllm-0.26 less one rule."""
     out = [("vllm-0.18", {"semantics": "vllm-0.18"}), ("vllm-0.26", {"semantics": "vllm-0.26"})]
     for key, value in OLD.items():
-        out.append((f"vllm-0.26, {key.split('.')[-1]}={value}".replace("True", "true")
-                    .replace("False", "false"), {"semantics": "vllm-0.26", key: value}))
+        text = {True: "true", False: "false"}.get(value, value)
+        out.append((f"vllm-0.26, {key.split('.')[-1]}={text}", {"semantics": "vllm-0.26",
+                                                                 key: value}))
     return out
 
 
