@@ -37,6 +37,7 @@ class SchedulerConfig:
     preemption_policy: str = "recent"           # recent (most recently admitted) | priority
     policy: str = "fcfs"                        # fcfs | priority (admission order and victims)
     max_loras: Optional[int] = None             # distinct adapters per step (None = no limit)
+    async_scheduling: bool = False              # schedule step k+1 as step k starts (vLLM v0.26)
     # rules that follow `semantics:` when left null (simkv.semantics)
     reserve_full_prompt: Optional[bool] = None  # admit only when the whole prompt's blocks fit
     parallel_sampling: Optional[str] = None     # fanout (n child requests) | fork

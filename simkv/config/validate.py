@@ -132,6 +132,16 @@ def check_ranges(v: Validator, cache: CacheConfig, scheduler: SchedulerConfig,
     for key in CHOICES:
         section, name = key.split(".")
         v.choice(key, getattr(sections[section], name))
+    if scheduler.async_scheduling:
+        # vLLM v1, the only one that schedules asynchronously, neither forks nor swaps
+        if scheduler.parallel_sampling != "fanout":
+            v.fail("scheduler.parallel_sampling",
+                   f"{scheduler.parallel_sampling!r} with scheduler.async_scheduling true: "
+                   "asynchronous scheduling needs fanout (vLLM v1 has no forks)")
+        if cache.preemption_mode != "recompute":
+            v.fail("cache.preemption_mode",
+                   f"{cache.preemption_mode!r} with scheduler.async_scheduling true: "
+                   "asynchronous scheduling needs recompute (vLLM v1 has no swap)")
     if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
         v.fail("scheduler.max_num_batched_tokens",
                f"{scheduler.max_num_batched_tokens} is smaller than scheduler.max_num_seqs "

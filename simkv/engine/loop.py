@@ -23,6 +23,13 @@ rounding steps over the end).
 The driver owns arrivals and cancellations (it calls `scheduler.add_request` / `cancel` at their
 times), so N replicas are N loops on one clock, each with its own scheduler, executor and
 recorder.
+
+With `async_scheduling`, the loop does what vLLM v0.26's engine does with two batches in flight
+(vllm/v1/engine/core.py, EngineCore.step_with_batch_queue): right after a step is launched it
+schedules the next one, from the state before the step's outputs, with the step's tokens
+counted as computed (the scheduler's `launch_step`); the step's outputs are applied when it
+ends (`finish_launched_step`) and the plan made at its start runs next, or, where that plan
+was empty, one made then. Every step is taken one by one (no decode runs).
 """
 from __future__ import annotations
 
@@ -46,22 +53,30 @@ class Executor(Protocol):
 
 
 def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_step=None,
-          decode_runs: bool = False):
+          decode_runs: bool = False, async_scheduling: bool = False):
     """Serve until the driver says nothing more will arrive (module doc for the protocol).
 
     `recorder` observes each plan before it runs and records it after (start, duration);
     `check_integrity` runs the KV manager's integrity check after every step (after every
     decode run); `on_step(plan, end_s)` is called after each step (each decode run);
-    `decode_runs` takes decode runs together where the executor can time them."""
+    `decode_runs` takes decode runs together where the executor can time them;
+    `async_scheduling` schedules each step as the one before it starts (module doc), without
+    decode runs."""
     kv = scheduler.kv
-    runs = getattr(executor, "run_seconds", None) if decode_runs else None
+    runs = getattr(executor, "run_seconds", None) if decode_runs and not async_scheduling \
+        else None
     attempts = RunAttempts()
     observe, record = recorder.observe, recorder.record_step
     execute, step_done = executor.execute, executor.step_done
     now = yield NOW
     empty_in_a_row = 0
+    upcoming = None        # async: the plan made as the last step started
     while True:
-        plan = scheduler.schedule(now)
+        if upcoming is not None and not upcoming.is_empty:
+            plan = upcoming
+        else:
+            plan = scheduler.schedule(now)
+        upcoming = None
         if plan.is_empty:
             if scheduler.waiting or scheduler.running or scheduler.swapped:
                 empty_in_a_row += 1
@@ -94,8 +109,14 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
             continue
         observe(plan, scheduler)
         seconds, outputs = execute(plan)
-        token_s = yield seconds
-        scheduler.finish_step(plan, outputs, token_s)
+        if async_scheduling:
+            scheduler.launch_step(plan)
+            upcoming = scheduler.schedule(now)     # arrivals up to the step's start
+            token_s = yield seconds
+            scheduler.finish_launched_step(plan, outputs, token_s)
+        else:
+            token_s = yield seconds
+            scheduler.finish_step(plan, outputs, token_s)
         step_done(plan)
         if check_integrity:
             kv.check_integrity()

@@ -58,6 +58,7 @@ class Scheduler:
         self._cancel_ids: list = []
         self._rejected: list = []
         self._stop_running = False        # a request preempted itself under policy priority
+        self._sampled: list = []          # the launched step's items that sample (launch_step)
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request, now: float = 0.0) -> None:
@@ -488,6 +489,69 @@ class Scheduler:
                 self._fork(plan, req, seq)
             if out >= req.output_tokens:
                 self._finish_seqs(req, now)
+
+    # -- asynchronous scheduling: the next step is scheduled while this one runs -------------
+    def launch_step(self, plan: StepPlan) -> None:
+        """The step is launched and the next one will be scheduled before its outputs come
+        back, as vLLM v0.26's AsyncScheduler does (vllm/v1/core/sched/async_scheduler.py): its
+        tokens count as computed now, and a sequence that samples a token that is not its last
+        gets a placeholder for it (num_tokens + 1), which the next step decodes. One whose last
+        token this is gets none: it is not scheduled again but keeps its seat and blocks until
+        `finish_launched_step`, as vLLM's running loop skips a request whose placeholders reach
+        max_tokens. No timestamps: the tokens exist only when the step ends."""
+        sampled = []
+        for item in plan.scheduled:
+            seq = item.seq
+            computed = seq.num_computed_tokens + item.num_tokens
+            seq.num_computed_tokens = computed
+            if computed >= seq.num_tokens:
+                sampled.append(item)
+                if seq.num_output_tokens + 1 < seq.request.output_tokens:
+                    seq.num_tokens += 1
+        self._sampled = sampled
+
+    def finish_launched_step(self, plan: StepPlan, outputs: dict | None = None,
+                             now: float = 0.0) -> None:
+        """Apply a launched step's results at its end time `now`: the tokens it sampled (their
+        times, gaps and first tokens), and the finishes, which free seats and blocks. A request
+        cancelled meanwhile gets nothing (vLLM drops its output); one preempted meanwhile keeps
+        its token (vLLM appends it in update_from_output) and finishes from the waiting queue if
+        it was its last."""
+        itl = self.itl_s
+        sampled, self._sampled = self._sampled, []
+        for item in sampled:
+            seq = item.seq
+            req = seq.request
+            if req.is_final:
+                continue
+            if outputs is not None:
+                seq.token_ids.append(outputs[seq.seq_id])
+            out = seq.num_output_tokens + 1
+            seq.num_output_tokens = out
+            if out > 1:
+                itl.append(now - seq.last_token_s)
+            elif req.first_token_s != req.first_token_s:
+                req.first_token_s = now
+            seq.last_token_s = now
+            if out >= req.output_tokens:
+                seq.num_tokens += 1           # the last token had no placeholder
+                if req.status == RequestStatus.WAITING:
+                    self._finish_preempted(req, now)
+                else:
+                    self._finish_seqs(req, now)
+
+    def _finish_preempted(self, req: Request, now: float) -> None:
+        """A request preempted while its last token was computed is complete: out of the
+        waiting queue (vllm/v1/core/sched/scheduler.py, update_from_output: stopped preempted
+        requests); its seat and blocks were given back when it was preempted."""
+        self.waiting.remove(req)
+        for seq in req.seqs:
+            seq.finished = True
+            seq.block_hashes = []
+        req.seqs = []
+        req.status = RequestStatus.COMPLETED
+        req.finish_s = now
+        self._close(req, now)
 
     def _fork(self, plan: StepPlan, req: Request, parent: Sequence) -> None:
         """The prompt is done: n sampling sequences share its blocks (copy-on-write later)."""

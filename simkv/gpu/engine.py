@@ -36,6 +36,7 @@ import pandas as pd
 
 from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.engine.request import Request
+from simkv.errors import InputError
 from simkv.engine.results import atomic_write_text, write_results
 from simkv.gpu.host import frozen_heap
 from simkv.engine.build import build_scheduler
@@ -115,6 +116,9 @@ class Engine:
     def __init__(self, scenario, device: str | None = None, *, dtype=None,
                  attention: str | None = None, enforce_eager: bool = False,
                  poison: bool | None = None, check_integrity: bool = False, executor=None):
+        if scenario.scheduler.async_scheduling:
+            raise InputError("scheduler.async_scheduling: the real engine schedules "
+                             "synchronously; set it to false to run on the GPU")
         from simkv.gpu.executor import GpuExecutor
         self.scenario = scenario
         self.scheduler, self.sizing = build_scheduler(scenario)

@@ -115,7 +115,8 @@ class Simulation:
         with progress_ctx as on_progress:
             loop = serve(self.scheduler, executor, self.recorder,
                          check_integrity=self.check_integrity, on_step=_every(4096, on_progress),
-                         decode_runs=self.decode_runs)
+                         decode_runs=self.decode_runs,
+                         async_scheduling=self.scenario.scheduler.async_scheduling)
             self.env.process(self._drive(loop))
             self.env.run()
         # The run ends when the last request is final, as the engine's does: a cancellation
