@@ -289,3 +289,15 @@ def test_a_comparison_simulates_under_the_rules_the_measurement_ran_under(measur
     assert result["semantics"] == "vllm-0.18"
     assert measured_semantics({"engine": {"name": "vllm", "vllm": "0.26.0"}}) == "vllm-0.26"
     assert measured_semantics({"engine": {"name": "simkv"}}) == "vllm-0.18"
+    assert result["async_scheduling"] is False
+
+
+def test_a_vllm_measurement_is_simulated_with_asynchronous_scheduling():
+    """vLLM v0.26 schedules asynchronously unless its engine arguments say otherwise
+    (vllm/config/vllm.py: async_scheduling None resolves to true); simkv's engine never does."""
+    from simkv.validation.compare import measured_async
+    vllm = {"name": "vllm", "vllm": "0.26.0", "engine_kwargs": {"max_num_seqs": 256}}
+    assert measured_async({"engine": vllm}) is True
+    off = {**vllm, "engine_kwargs": {"async_scheduling": False}}
+    assert measured_async({"engine": off}) is False
+    assert measured_async({"engine": {"name": "simkv"}}) is False

@@ -97,13 +97,28 @@ def measured_semantics(meta: dict) -> str:
     return rules.MEASURED_SEMANTICS
 
 
+def measured_async(meta: dict) -> bool:
+    """Whether the engine measured scheduled asynchronously: vLLM v0.26 does by default
+    (unless its engine arguments turned it off); simkv's engine never does."""
+    engine = meta.get("engine") or {}
+    if engine.get("name") != "vllm":
+        return False
+    return (engine.get("engine_kwargs") or {}).get("async_scheduling", True) is not False
+
+
 def _as_measured(scn, meta: dict):
-    """`scn` under the rules the measurement ran under (simkv.semantics)."""
+    """`scn` under the rules the measurement ran under (simkv.semantics), asynchronous
+    scheduling included."""
+    overrides = {}
     semantics = measured_semantics(meta)
-    if scn.semantics == semantics:
+    if scn.semantics != semantics:
+        overrides["semantics"] = semantics
+    if measured_async(meta) != scn.scheduler.async_scheduling:
+        overrides["scheduler.async_scheduling"] = measured_async(meta)
+    if not overrides:
         return scn
     from simkv.config.scenario import with_overrides
-    return with_overrides(scn, {"semantics": semantics})
+    return with_overrides(scn, overrides)
 
 
 def _served_pool(scn, measured: dict):
@@ -200,6 +215,7 @@ def compare_validation(measured_dir, scenario, out=None, *, plots: bool = True,
         "name": scn.name, "model": scn.model.name, "gpu": scn.gpu.name,
         "scenario": meta.get("scenario_path"), "measured_dir": str(measured_dir),
         "cost_model": cost_model.name, "semantics": scn.semantics,
+        "async_scheduling": scn.scheduler.async_scheduling,
         "calibration": calibration, "requests": len(frame),
         "load": load, "offered_rate_rps": offered, "saturated_throughput_rps": sat_rps,
         "error": error, "bounds": check_bounds(error, load),
