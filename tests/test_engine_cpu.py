@@ -389,3 +389,14 @@ def test_the_serving_pass_times_the_host_around_real_time_steps():
     assert np.allclose(df["outside_s"], df["duration_s"] - df["exec_s"], rtol=0, atol=2e-6)
     assert df["start_s"].is_monotonic_increasing
     assert df["num_seqs"].iloc[0] < df["num_seqs"].max()    # arrivals spread over the run
+
+
+def test_the_engine_refuses_a_turn_that_continues_an_earlier_request():
+    """A turn's prompt holds its parent's answer, which the engine has not generated when the
+    prompt is made: turns are simulated only (docs/traces.md)."""
+    from simkv.errors import InputError
+    frame = workload()
+    frame["parent_request_id"] = [-1] * len(frame)
+    frame.loc[frame.index[-1], "parent_request_id"] = int(frame["request_id"].iloc[0])
+    with pytest.raises(InputError, match="parent_request_id"):
+        run_offline(scenario(), frame, dtype=torch.float64, attention="reference")

@@ -88,7 +88,8 @@ def _fresh(req: Request) -> Request:
                    tenant=req.tenant, adapter=req.adapter, mm_key=req.mm_key,
                    cancel_after_s=req.cancel_after_s, priority=req.priority,
                    prompt_token_ids=None if req.prompt_token_ids is None
-                   else list(req.prompt_token_ids))
+                   else list(req.prompt_token_ids), mm_spans=req.mm_spans,
+                   parent_request_id=req.parent_request_id)
 
 
 class _MeasuredExecutor:
@@ -148,6 +149,12 @@ class Engine:
         """Serve `requests` (fresh Request objects, arrival order) until all are final; returns
         the run's duration in seconds. Offline (`realtime=False`): every arrival is at 0."""
         from simkv.gpu.tokens import assign_prompt_tokens
+        for req in requests:
+            if req.parent_request_id >= 0:
+                raise InputError(f"request {req.request_id} continues request "
+                                 f"{req.parent_request_id} (parent_request_id): turns are "
+                                 "simulated only (the engine has no tokens for an answer not "
+                                 "yet generated)")
         assign_prompt_tokens(requests, self.scenario.model.vocab_size, self.scenario.seed)
         if not realtime:
             for req in requests:
