@@ -223,14 +223,17 @@ def measure_vllm(scn, frame, out_dir, *, requests_meta: dict,
     run = asyncio.run(_measure(scn, frame, out, warmup_requests))
     if write_trace:
         write_canonical(frame, out / "trace.csv")
+    versions = _versions()
     meta = {
         "scenario": scn.name,
         **requests_meta,
         "scenario_settings": json.loads(json.dumps(scn.raw, default=str)),
+        # the scheduling rules vLLM itself follows (simkv.semantics names them by release)
+        "semantics": "vllm-" + ".".join(str(versions["vllm"]).split(".")[:2]),
         "model": scn.model.name,
         "gpu": scn.gpu.name,
         "device": "cuda",
-        "engine": {"name": "vllm", **_versions(), "engine_kwargs": run["engine_kwargs"],
+        "engine": {"name": "vllm", **versions, "engine_kwargs": run["engine_kwargs"],
                    "vllm_num_gpu_blocks": run["vllm_num_gpu_blocks"]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["simkv", *sys.argv[1:]]) if sys.argv else None,
