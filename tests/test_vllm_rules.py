@@ -195,7 +195,7 @@ def test_cancelling_a_fanned_out_request_cancels_every_child():
 
 
 def test_a_prompt_that_reaches_max_model_len_is_rejected_and_a_long_output_capped():
-    """vllm/v1/engine/input_processor.py (InputProcessor._validate_model_input) rejects a
+    """vllm/v1/engine/input_processor.py (InputProcessor._validate_prompt_len) rejects a
     prompt of >= max_model_len tokens; vllm/v1/core/sched/utils.py (check_stop) ends a
     sequence at max_model_len tokens. max_model_len 100: a 100-token prompt is rejected; 90 +
     20 is served with 10 outputs; 99 + 5 with 1."""

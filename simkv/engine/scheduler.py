@@ -127,7 +127,7 @@ class Scheduler:
     def _why_unservable(self, req: Request, n: int) -> str:
         if self.cap_output_tokens:
             # vLLM rejects a prompt that leaves no room for one output token
-            # (vllm/v1/engine/input_processor.py, _validate_model_input)
+            # (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len)
             if req.prompt_tokens >= self.max_model_len:
                 return (f"prompt {req.prompt_tokens} tokens reach max_model_len "
                         f"{self.max_model_len}")
