@@ -165,6 +165,19 @@ def _versions() -> dict:
             "python": sys.version.split()[0]}
 
 
+def _freeze_heap() -> float:
+    """Collect, then freeze what is alive, so that no full collection walks it during a pass;
+    returns the seconds it took. vLLM's engine core and `vllm serve`'s API server freeze their
+    heaps; an in-process client (AsyncLLM, this driver) does not, and a full collection of its
+    heap (torch and vLLM imported: ~0.85 M objects) held the client up for ~480 ms once per
+    pass: no requests sent, no outputs read (profiles/h200/llama-3.1-8b/vllm-0.26/pause-probe)."""
+    import gc
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    return time.perf_counter() - t0
+
+
 async def _measure(scn, frame, out: Path, warmup_requests: int) -> dict:
     # No top-k/top-p here, so FlashInfer's sampler would never run; without this vLLM 0.26's
     # model runner imports FlashInfer at start-up even then, and the H200 machine has none
@@ -194,6 +207,7 @@ async def _measure(scn, frame, out: Path, warmup_requests: int) -> dict:
             for pass_name in PASSES:
                 realtime = pass_name == "realtime"
                 reqs = vllm_requests(frame, vocab, seed, at_zero=not realtime)
+                setup[f"{pass_name}_gc_freeze_s"] = _freeze_heap()
                 records, steps, wall = await _run_pass(engine, sink, reqs, pass_name, realtime)
                 passes[pass_name] = _write_pass(out, scn.name, pass_name, records, steps, wall,
                                                 vllm_blocks, scn.cache.block_size)
