@@ -55,11 +55,14 @@ def pct(value, bound=None) -> str:
     return text + (" ✗" if bound is not None and abs(value) > bound else "")
 
 
-def read(folder: Path) -> dict:
-    """{pass: {name: [result JSON of run 1, run 2, ...]}}."""
+def read(folder: Path, runs=None) -> dict:
+    """{pass: {name: [result JSON of run 1, run 2, ...]}}; with `runs` ({"run1", "run2"}), only
+    the files of those runs (<name>-<run>.json)."""
     results = {p: defaultdict(list) for p in PASSES}
     for p in PASSES:
         for path in sorted((folder / p).glob("*.json")):       # none: no such comparison
+            if runs is not None and path.stem.rsplit("-", 1)[-1] not in runs:
+                continue
             result = json.loads(path.read_text())
             assert result["measured"]["pass"] == "realtime"
             results[p][result["name"]].append(result)
@@ -203,14 +206,14 @@ def step_profile_tables() -> list:
     return lines
 
 
-def main(folder: str) -> int:
+def main(folder: str, runs=None) -> int:
     if folder == "--measurements":
         print("\n".join(measurements_table()))
         return 0
     if folder == "--step-profile":
         print("\n".join(step_profile_tables()))
         return 0
-    results = read(Path(folder))
+    results = read(Path(folder), runs)
     head = "| scenario | runs | load | comparison | scale | " + " | ".join(HEADER) + \
         " | num_blocks | all aims |"
     print(head)
@@ -248,5 +251,11 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else
-                  "profiles/h200/llama-3.1-8b/vllm-0.26/compare"))
+    # table.py [FOLDER | --measurements | --step-profile] [--runs run1,run2]
+    args = sys.argv[1:]
+    only = None
+    if "--runs" in args:
+        i = args.index("--runs")
+        only = set(args[i + 1].split(","))
+        del args[i:i + 2]
+    sys.exit(main(args[0] if args else "profiles/h200/llama-3.1-8b/vllm-0.26/compare", only))
