@@ -25,6 +25,7 @@ from simkv.engine.metrics import MetricsRecorder
 from simkv.engine.request import Request, RequestStatus
 from simkv.engine.scheduler import Scheduler
 from simkv.errors import InputError
+from tests.test_config import minimal
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
@@ -197,14 +198,6 @@ def test_a_request_preempted_while_its_last_token_is_computed_completes_when_it_
 
 
 # --- the key ---------------------------------------------------------------------------------
-
-
-def minimal(**top):
-    return {"model": "llama-3.1-8b", **top,
-            "workload": {"synthetic": {"num_requests": 4, "arrival": {"process": "poisson",
-                                                                       "rate": 1},
-                                       "prompt_tokens": {"dist": "fixed", "value": 100},
-                                       "output_tokens": {"dist": "fixed", "value": 10}}}}
 
 
 def test_async_scheduling_is_off_by_default_under_both_semantics():

@@ -3,50 +3,20 @@
 Every test names the vLLM v0.26.0 file and function whose behaviour it restates. Steps as in
 tests/test_scheduler.py: `schedule(now)`, then `finish_step(plan, None, now + 1)`; block size 16.
 """
-import math
-
 import pytest
 
 from simkv import semantics as rules
 from simkv.config.scenario import CacheConfig, SchedulerConfig, load_scenario
-from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.engine.request import Request, RequestStatus
-from simkv.engine.scheduler import Scheduler
 from simkv.sizing import size_pool
 from simkv.specs import load_gpu, load_model
-
-BS = 16
-
-
-def make_scheduler(num_blocks=100, *, prefix_caching=True, **knobs):
-    kv = PagedKVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
-    knobs.setdefault("max_model_len", 4096)
-    return Scheduler(kv, **knobs)
-
-
-def make_request(rid, prompt, output=10, **fields):
-    return Request(rid, 0.0, prompt, output, **fields)
-
-
-def step(sched):
-    now = float(sched.step_id)
-    plan = sched.schedule(now)
-    sched.finish_step(plan, None, now + 1.0)
-    sched.kv.check_integrity()
-    return plan
+from tests.test_config import minimal
+from tests.test_scheduler import BS, make_request, make_scheduler, run_to_completion, step
 
 
 def scheduled(plan):
     return [(item.seq.request.request_id, item.seq.sample, item.num_tokens)
             for item in plan.scheduled]
-
-
-def run_to_completion(sched, max_steps=2000):
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            return
-        step(sched)
-    raise AssertionError("requests still unfinished")
 
 
 # --- the full-prompt admission gate ----------------------------------------------------------
@@ -296,14 +266,6 @@ def test_max_loras_skips_requests_of_a_further_adapter_in_a_step():
 
 
 # --- the semantics key -----------------------------------------------------------------------
-
-
-def minimal(**top):
-    return {"model": "llama-3.1-8b", **top,
-            "workload": {"synthetic": {"num_requests": 4, "arrival": {"process": "poisson",
-                                                                       "rate": 1},
-                                       "prompt_tokens": {"dist": "fixed", "value": 100},
-                                       "output_tokens": {"dist": "fixed", "value": 10}}}}
 
 
 def test_each_semantics_fills_the_rules_left_null_and_a_set_rule_wins():

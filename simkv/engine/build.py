@@ -20,7 +20,7 @@ def build_kv_manager(scenario, sizing=None):
     return PagedKVCacheManager(sizing.num_blocks, cache.block_size,
                                enable_prefix_caching=cache.enable_prefix_caching,
                                watermark=cache.watermark, num_host_blocks=sizing.num_host_blocks,
-                               duplicate_blocks=bool(cache.duplicate_blocks))
+                               duplicate_blocks=cache.duplicate_blocks)
 
 
 def build_scheduler(scenario):
@@ -39,9 +39,9 @@ def build_scheduler(scenario):
         preemption_policy=sched.preemption_policy,
         global_prefix_scope=cache.prefix_sharing_scope == "global",
         policy=sched.policy,
-        reserve_full_prompt=bool(sched.reserve_full_prompt),
-        parallel_sampling=sched.parallel_sampling or "fork",
-        cap_output_tokens=bool(sched.cap_output_tokens),
+        reserve_full_prompt=sched.reserve_full_prompt,
+        parallel_sampling=sched.parallel_sampling,
+        cap_output_tokens=sched.cap_output_tokens,
         max_loras=sched.max_loras,
     )
     return scheduler, sizing

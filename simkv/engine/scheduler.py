@@ -7,6 +7,7 @@ served. Whether tokens fit in memory is the KV manager's answer; who runs is dec
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from array import array
@@ -108,17 +109,8 @@ class Scheduler:
         """Into the waiting queue: at the back (new) or the front (preempted) under fcfs; in
         (priority, arrival) order under priority, as vLLM's PriorityRequestQueue
         (vllm/v1/core/sched/request_queue.py) orders it."""
-        if self.policy == "priority":
-            key = _priority_key(req)
-            waiting = self.waiting
-            lo, hi = 0, len(waiting)
-            while lo < hi:                    # after every request with a key <= req's
-                mid = (lo + hi) // 2
-                if _priority_key(waiting[mid]) <= key:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            waiting.insert(lo, req)
+        if self.policy == "priority":         # after every request with a key <= req's
+            bisect.insort_right(self.waiting, req, key=_priority_key)
         elif front:
             self.waiting.appendleft(req)
         else:
@@ -414,10 +406,10 @@ class Scheduler:
                 part.status = RequestStatus.CANCELLED
                 part.finish_s = now
             plan.cancelled.append(request_id)
-            self._close(req, now)
+            self._close(req)
         self._cancel_ids = []
 
-    def _close(self, req: Request, now: float) -> None:
+    def _close(self, req: Request) -> None:
         """A request (or a fanned-out child) is final: its row is kept in `done`; a child's
         request closes once every child is final."""
         group = req.group
@@ -427,7 +419,7 @@ class Scheduler:
             del self.requests[req.request_id]
             self.done.append(req)
         elif all(child.is_final for child in group.children) and not group.is_final:
-            self._close(group, now)
+            self._close(group)
 
     @staticmethod
     def _close_group(req: Request) -> None:
@@ -551,7 +543,7 @@ class Scheduler:
         req.seqs = []
         req.status = RequestStatus.COMPLETED
         req.finish_s = now
-        self._close(req, now)
+        self._close(req)
 
     def _fork(self, plan: StepPlan, req: Request, parent: Sequence) -> None:
         """The prompt is done: n sampling sequences share its blocks (copy-on-write later)."""
@@ -585,7 +577,7 @@ class Scheduler:
             req.status = RequestStatus.COMPLETED
             req.finish_s = now
             self.running.remove(req)
-            self._close(req, now)
+            self._close(req)
 
 
 def _priority_key(req: Request) -> tuple:
