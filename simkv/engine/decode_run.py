@@ -209,7 +209,7 @@ def decode_run(scheduler, plan: StepPlan, attempts: RunAttempts | None = None) \
     if min(item.seq.request.output_tokens - item.seq.num_output_tokens
            for item in plan.scheduled) < MIN_RUN_STEPS \
             or not all(appends(item.seq, item.start + 1) for item in plan.scheduled) \
-            or _waits_on_a_live_turn(scheduler):
+            or (scheduler.has_turns and _waits_on_a_live_turn(scheduler)):
         if attempts is not None:
             attempts.found(0)
         return None

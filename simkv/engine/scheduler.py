@@ -59,6 +59,7 @@ class Scheduler:
         self._cancel_ids: list = []
         self._rejected: list = []
         self._stop_running = False        # a request preempted itself under policy priority
+        self.has_turns = False            # a request continues an earlier one (decode runs)
         self._sampled: list = []          # the launched step's items that sample (launch_step)
 
     # -- requests in and out ------------------------------------------------------------------
@@ -70,6 +71,8 @@ class Scheduler:
         they share the prompt only through the prefix cache, are admitted and preempted on
         their own, and make one row together (`_close_group`)."""
         req.hash_root = hash_root(req, self.global_prefix_scope)
+        if req.parent is not None:
+            self.has_turns = True
         if self.cap_output_tokens and req.prompt_tokens < self.max_model_len \
                 and req.prompt_tokens + req.output_tokens > self.max_model_len:
             # vLLM stops a sequence when it reaches max_model_len tokens
