@@ -61,6 +61,12 @@ class Scheduler:
         self._stop_running = False        # a request preempted itself under policy priority
         self.has_turns = False            # a request continues an earlier one (decode runs)
         self._sampled: list = []          # the launched step's items that sample (launch_step)
+        # prefill/decode disaggregation (simkv.sim.cluster): a prefill replica keeps a finished
+        # request's blocks until its KV is sent; a decode replica holds blocks for prompts
+        # whose KV is on its way
+        self.hold_finished_blocks = False
+        self.held: dict = {}              # request id -> finished sequences whose blocks are kept
+        self.receiving: dict = {}         # request id -> request whose prompt KV is arriving
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request, now: float = 0.0) -> None:
@@ -571,7 +577,10 @@ class Scheduler:
     def _finish_seqs(self, req: Request, now: float) -> None:
         for seq in list(req.seqs):
             if seq.num_output_tokens >= req.output_tokens:
-                self.kv.free(seq)
+                if self.hold_finished_blocks:
+                    self.held.setdefault(req.request_id, []).append(seq)
+                else:
+                    self.kv.free(seq)
                 seq.finished = True
                 seq.block_hashes = []
                 req.seqs.remove(seq)
@@ -581,6 +590,59 @@ class Scheduler:
             req.finish_s = now
             self.running.remove(req)
             self._close(req)
+
+
+    # -- prefill/decode disaggregation ----------------------------------------------------------
+    def release_held(self, request_id: int) -> None:
+        """Free the blocks kept for a finished request (`hold_finished_blocks`): its KV is sent."""
+        for seq in self.held.pop(request_id, ()):
+            self.kv.free(seq)
+
+    def receive_prompt(self, req: Request, now: float) -> bool:
+        """Take a seat and blocks for the whole prompt of `req`, whose KV another replica
+        computed and sends: all or nothing (the watermark kept free); False changes nothing.
+        The request waits, unscheduled, until `prompt_received`, as vLLM's
+        WAITING_FOR_REMOTE_KVS."""
+        if req.prompt_tokens > self.max_model_len \
+                or self.num_running_seqs + len(self.receiving) >= self.max_num_seqs:
+            return False
+        req.hash_root = hash_root(req, self.global_prefix_scope)
+        seq = Sequence(self._next_seq_id, req, 0, req.prompt_tokens)
+        if not self.kv.allocate_slots(seq, req.prompt_tokens, admission=True):
+            return False
+        self._next_seq_id += 1
+        req.seqs.append(seq)
+        req.all_seqs.append(seq)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.receiving[req.request_id] = req
+        return True
+
+    def prompt_received(self, request_id: int, now: float) -> None:
+        """The prompt's KV is here: all but its last token count as computed (the last one is
+        computed again for its logits, as vLLM's _update_waiting_for_remote_kv does) and the
+        request runs from the next step. It is admitted at once, not queued: it holds its
+        blocks already, and a request that holds blocks in the waiting queue could stall a
+        pool behind a preempted one that needs them."""
+        req = self.receiving.pop(request_id)
+        seq = req.seqs[0]
+        seq.num_computed_tokens = req.prompt_tokens - 1
+        req.queried_tokens += seq.num_tokens
+        req.admitted_s = now
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.num_running_seqs += 1
+
+    def park_waiting(self) -> list:
+        """Take every waiting request out of the queue (in order): none can be admitted until
+        blocks kept for transfers are freed, and the serving loop must idle, not stop."""
+        parked = list(self.waiting)
+        self.waiting.clear()
+        return parked
+
+    def unpark_waiting(self, parked: list) -> None:
+        """Put requests taken by `park_waiting` back at the front of the queue, in order."""
+        self.waiting.extendleft(reversed(parked))
 
 
 def _priority_key(req: Request) -> tuple:
