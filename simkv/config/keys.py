@@ -1,7 +1,8 @@
 """The scenario's settable dotted keys, their types, and `--set` values converted to them.
 
-Every key a scenario may set is in KEY_TYPES (slo.* and workload.synthetic.* are open); an
-unknown key raises InputError with the closest valid one.
+Every key a scenario may set is in KEY_TYPES (slo.* and workload.synthetic.* are open), or is a
+`cluster.` key (`cluster_key_type`: pools addressed by list index, `cluster.pools.0.replicas`);
+an unknown key raises InputError with the closest valid one.
 """
 from __future__ import annotations
 
@@ -61,7 +62,57 @@ def field_types(cls: type) -> dict[str, tuple[type, bool]]:
 KEY_TYPES: dict[str, tuple[type, bool]] = {**TOP_LEVEL_TYPES, **COST_MODEL_TYPES}
 for _section, _cls in SECTIONS.items():
     KEY_TYPES.update({f"{_section}.{k}": t for k, t in field_types(_cls).items()})
-VALID_KEYS = sorted([*KEY_TYPES, *SECTIONS, "slo"])
+
+# `cluster:` (simkv.config.cluster): the router's and the link's keys, and each pool's (by index)
+ROUTER_TYPES: dict[str, tuple[type, bool]] = {
+    "policy": (str, False), "refresh_s": (float, False), "seed": (int, True),
+    "prefix_blocks": (int, False), "load_factor": (float, False),
+    "virtual_nodes": (int, False), "prefix_weight": (float, False),
+    "queue_weight": (float, False), "kv_weight": (float, False),
+}
+LINK_TYPES: dict[str, tuple[type, bool]] = {
+    "link": (str, True), "bandwidth_gbps": (float, True), "latency_s": (float, True),
+}
+POOL_TYPES: dict[str, tuple[type, bool]] = {
+    "name": (str, False), "replicas": (int, False), "role": (str, False),
+    "gpu": (str, False), "model": (str, False), "cost_model": (str, False),
+}
+POOL_SECTIONS = ("cache", "scheduler")     # a pool's overrides of these, key by key
+CLUSTER_KEYS = ["cluster.router", "cluster.pools", "cluster.kv_transfer",
+                *(f"cluster.router.{k}" for k in ROUTER_TYPES),
+                *(f"cluster.kv_transfer.{k}" for k in LINK_TYPES),
+                *(f"cluster.pools.0.{k}" for k in POOL_TYPES)]
+VALID_KEYS = sorted([*KEY_TYPES, *SECTIONS, "slo", "cluster", *CLUSTER_KEYS])
+
+
+def cluster_key_type(key: str) -> tuple[type, bool] | None:
+    """(type, optional) of a `cluster.` dotted key, or None when it names no setting;
+    `cluster.pools.N` and the cluster's sections themselves are mappings or lists."""
+    parts = key.split(".")
+    if parts[0] != "cluster":
+        return None
+    if len(parts) == 1:
+        return dict, False
+    section, rest = parts[1], parts[2:]
+    if section == "router":
+        return (dict, False) if not rest else ROUTER_TYPES.get(".".join(rest))
+    if section == "kv_transfer":
+        return (dict, True) if not rest else LINK_TYPES.get(".".join(rest))
+    if section == "pools":
+        if not rest:
+            return list, False
+        if not rest[0].isdigit():
+            return None
+        rest = rest[1:]
+        if not rest:
+            return dict, False
+        if len(rest) == 1:
+            if rest[0] in POOL_SECTIONS:
+                return dict, False
+            return POOL_TYPES.get(rest[0])
+        if len(rest) == 2 and rest[0] in POOL_SECTIONS:
+            return KEY_TYPES.get(f"{rest[0]}.{rest[1]}")
+    return None
 
 
 def suggest(key: str) -> str:
@@ -79,11 +130,23 @@ def check_key(key: str, where: str) -> None:
     """Raise unless `key` is a settable dotted key."""
     if key in KEY_TYPES or key.startswith(FREE_FORM + ".") or key == FREE_FORM:
         return
+    if key.startswith("cluster"):
+        if cluster_key_type(key) is not None:
+            return
+        raise InputError(f"{where}: unknown key {key}{suggest(_index_as_zero(key))}")
     if key.startswith("slo."):
         if SLO_KEY.match(key[4:]):
             return
         raise InputError(f"{where}: unknown SLO key {key} (valid: {SLO_EXAMPLES})")
     raise InputError(f"{where}: unknown key {key}{suggest(key)}")
+
+
+def _index_as_zero(key: str) -> str:
+    """`cluster.pools.3.x` -> `cluster.pools.0.x`, for the closest-key hint."""
+    parts = key.split(".")
+    if len(parts) > 2 and parts[:2] == ["cluster", "pools"] and parts[2].isdigit():
+        parts[2] = "0"
+    return ".".join(parts)
 
 
 def type_name(kind: type) -> str:
@@ -97,6 +160,8 @@ def convert(text: str, key: str, where: str) -> Any:
         kind, optional = float, True
     elif key in KEY_TYPES:
         kind, optional = KEY_TYPES[key]
+    elif cluster_key_type(key) is not None:
+        kind, optional = cluster_key_type(key)
     else:  # free-form (workload.synthetic...): read the value as YAML
         try:
             return yaml.safe_load(text)
@@ -168,11 +233,30 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
         node = merged
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
-            if not isinstance(node.get(part), dict):
+            if isinstance(node, list):          # cluster.pools.N: an entry of the list
+                node = node[_list_index(node, part, key, parts[: i + 1])]
+                if not isinstance(node, dict):
+                    raise InputError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping")
+                continue
+            if not isinstance(node.get(part), (dict, list)):
                 if node.get(part) is not None:
                     raise InputError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping")
+                if parts[i + 1].isdigit():
+                    raise InputError(f"--set {key}: the scenario has no {'.'.join(parts[: i + 1])}"
+                                     " list to index")
                 node[part] = {}
             node = node[part]
-        node[parts[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(node, parts[-1], key, parts)] = value
+        else:
+            node[parts[-1]] = value
     return merged
+
+
+def _list_index(node: list, part: str, key: str, path: list) -> int:
+    """The list index `part` of a dotted key, checked against the list's length."""
+    if not part.isdigit() or int(part) >= len(node):
+        raise InputError(f"--set {key}: {'.'.join(path)}: no such entry (the list has "
+                         f"{len(node)}, indexed from 0)")
+    return int(part)
 

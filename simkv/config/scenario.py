@@ -14,6 +14,7 @@ from typing import Any, Optional
 from simkv.config.keys import (EFFECTS, FREE_FORM, KEY_TYPES, SECTIONS, SLO_EXAMPLES, SLO_KEY,
                                TOP_LEVEL_TYPES, VALID_KEYS, apply_overrides, parse_set)
 from simkv import semantics as rules
+from simkv.config.cluster import ClusterConfig, cluster_to_dict, load_cluster
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
 from simkv.config.validate import (CHOICES, COST_MODEL_KEYWORDS, GPU_CLOCK_CHOICES, Validator,
                                    check_against_model, check_ranges, check_workload,
@@ -48,6 +49,7 @@ class Scenario:
     path: Optional[Path] = None                 # the scenario file, when loaded from one
     base_dir: Optional[Path] = None             # relative paths resolve against this folder
     raw: dict[str, Any] = field(default_factory=dict)  # the merged YAML, for reports
+    cluster: Optional[ClusterConfig] = None     # pools behind a router; None: one replica
 
 
 def _read_source(path_or_dict, base_dir: Optional[Path], source: Optional[str]) -> tuple:
@@ -162,9 +164,17 @@ def load_scenario(
     problem = fit_error(size_pool(model, gpu, cache, scheduler), scheduler.max_model_len)
     if problem:
         raise InputError(f"{source}: {problem}")
+    name = top.get("name") or (path.stem if path else "scenario")
+
+    def load_pool(pool_raw: dict, pool_source: str) -> Scenario:
+        pool = load_scenario(pool_raw, base_dir=base_dir, source=pool_source)
+        pool.name, pool.path = name, path
+        return pool
+
+    cluster = load_cluster(raw, v, source, load_pool)
 
     return Scenario(
-        name=top.get("name") or (path.stem if path else "scenario"),
+        name=name,
         model=model,
         gpu=gpu,
         cost_model=cost_model,
@@ -180,6 +190,7 @@ def load_scenario(
         path=path,
         base_dir=base_dir.resolve(),
         raw=raw,
+        cluster=cluster,
     )
 
 
@@ -212,4 +223,5 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "workload": workload,
         "slo": dict(scn.slo),
         "path": str(scn.path) if scn.path else None,
+        **({"cluster": cluster_to_dict(scn.cluster)} if scn.cluster is not None else {}),
     }

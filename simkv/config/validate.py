@@ -47,6 +47,8 @@ class Validator:
             elif key == "cost_model" and isinstance(value, dict):
                 for sub in value:
                     check_key(f"cost_model.{sub}", self.source)
+            elif key == "cluster":
+                continue              # simkv.config.cluster checks its own keys
             elif key == "slo":
                 if value is None:
                     continue
