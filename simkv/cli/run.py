@@ -119,7 +119,13 @@ def run(
     if as_json:
         print_json(result.summary)
         return
-    print_summary(result.summary, title=f"{scn.name}: {scn.model.name} on {scn.gpu.name}")
+    title = f"{scn.name}: {scn.model.name} on {scn.gpu.name}"
+    if scn.cluster is not None:
+        from simkv.cli.fleet import print_fleet_summary
+        print_fleet_summary(result.summary, title=f"{scn.name}: a fleet of "
+                            f"{scn.cluster.num_replicas} replicas ({scn.model.name})")
+    else:
+        print_summary(result.summary, title=title)
     console().print(f"results written to {out_dir}/")
 
 

@@ -197,6 +197,11 @@ def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity:
     after every step (slow on big pools); `step_terms` adds a `term_<name>` column per cost term
     to the steps frame (seconds; they sum to duration_s but for the last bit); `exact` plans and
     times every step one by one (the same results; without it, steps that only decode the same
-    batch are taken together: simkv.engine.decode_run)."""
+    batch are taken together: simkv.engine.decode_run). A scenario with a `cluster:` section
+    runs as a fleet (simkv.sim.cluster.fleet)."""
+    if getattr(scenario, "cluster", None) is not None:
+        from simkv.sim.cluster.fleet import simulate_fleet
+        return simulate_fleet(scenario, trace_df=trace_df, check_integrity=check_integrity,
+                              cost_model=cost_model, step_terms=step_terms, exact=exact)
     return Simulation(scenario, trace_df, check_integrity, progress, cost_model,
                       step_terms, exact).run()

@@ -1,0 +1,297 @@
+"""A fleet: the replicas of a scenario's `cluster:` pools on one SimPy clock, behind a router.
+
+Each replica is the serving loop of one GPU (simkv.engine.loop.serve), with its own scheduler,
+KV manager, cost model (its own clock state) and recorder, named `<pool>-<index>`. The driver
+answers each loop as the single-replica simulator (simkv.sim.engine) does, with one
+difference, the horizon of a decode run (the time of the next event that can reach the
+replica):
+
+- routers that depend on the arrival order alone (round_robin, random) have their assignment
+  computed before the run; each replica gets its own arrival process over its own requests
+  and its horizon is its own next arrival or cancellation, so a replica runs exactly as a
+  separate run of its requests would (tests/test_fleet.py) and as fast;
+- the other routers choose at each arrival from the replicas' state: one arrival process
+  routes every request and the horizon is the next event anywhere in the fleet (nothing
+  routed reaches a replica inside a run). A decode run commits its blocks at its end, so under
+  the routers that read KV usage (least_kv, kv_aware) the replicas take every step one by one
+  and the router sees each step's state; the request counts that least_requests and
+  prefix_affinity read do not change inside a run.
+
+Prefill/decode pools (simkv.sim.cluster.disagg): a request is prefilled on a prefill replica
+(its first output token sampled there and not returned), its KV sent over the link to a decode
+replica that holds blocks for it, which computes the last prompt token again and emits the
+first token the client sees.
+"""
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import time
+
+import pandas as pd
+import simpy
+
+from simkv.config.cluster import STATE_INDEPENDENT
+from simkv.costmodel import load_cost_model
+from simkv.engine.build import build_scheduler
+from simkv.engine.loop import HORIZON, IDLE, NOW, serve
+from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.sim.cluster import summary as fleet_summary
+from simkv.sim.cluster.router import READS_KV, Router, assign
+from simkv.sim.executor import CostModelExecutor
+from simkv.workload.frames import load_requests_frame, requests_from_frame
+
+
+class Replica:
+    """One replica of a pool: a scheduler, KV manager, cost model, executor and recorder, and
+    the driver's bookkeeping for its serving loop."""
+
+    def __init__(self, fleet, pool, index: int, cost_model, step_terms: bool):
+        scenario = pool.scenario
+        self.fleet, self.pool, self.index = fleet, pool, index
+        self.name = f"{pool.name}-{index}"
+        self.scenario = scenario
+        self.scheduler, self.sizing = build_scheduler(scenario)
+        self.cost_model = cost_model
+        self.recorder = MetricsRecorder(self.scheduler.kv.num_blocks, scenario.cache.block_size)
+        self.executor = CostModelExecutor(cost_model, self.scheduler.kv,
+                                          self.scheduler.running, step_terms)
+        self.wake = None
+        self.arrivals_done = False
+        self.served_s = None                 # when its last request became final
+        self.next_arrival_s = math.inf       # its own pending arrival (own-horizon mode)
+        self.cancel_at: list = []            # heap of its pending cancellation timers
+        self.on_step = None                  # called after each step (P/D hand-offs)
+        self.before_schedule = None          # called before the loop plans (P/D parking)
+
+    # -- what a router reads --------------------------------------------------------------------
+    def load(self) -> int:
+        """Requests the replica holds (queued, running, swapped, receiving KV)."""
+        return len(self.scheduler.requests)
+
+    def kv_used_fraction(self) -> float:
+        kv = self.scheduler.kv
+        return kv.num_used_blocks / kv.num_blocks
+
+    # -- events ----------------------------------------------------------------------------------
+    def notify(self) -> None:
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def add(self, req, now: float) -> None:
+        self.scheduler.add_request(req, now)
+        if not math.isnan(req.cancel_after_s):
+            self.fleet.cancel_timer(self, req)
+        self.notify()
+
+
+class Fleet:
+    """One fleet run; `run()` returns a SimResult with the fleet's results (summary keys as
+    fleet totals plus `pools`, `replicas`, `router`; a `replica` column in requests and
+    steps)."""
+
+    def __init__(self, scenario, trace_df=None, check_integrity: bool = False,
+                 cost_model=None, step_terms: bool = False, exact: bool = False):
+        self.scenario = scenario
+        self.cluster = cluster = scenario.cluster
+        self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
+        self.check_integrity = check_integrity
+        self.env = simpy.Environment()
+        self.pools = []                       # [(PoolConfig, [Replica])]
+        for pool in cluster.pools:
+            model = cost_model or load_cost_model(pool.scenario)
+            replicas = [Replica(self, pool, i, copy.deepcopy(model) if i else model, step_terms)
+                        for i in range(pool.replicas)]
+            self.pools.append((pool, replicas))
+        self.replicas = [r for _, rs in self.pools for r in rs]
+        policy = cluster.router.policy
+        seed = cluster.router.seed if cluster.router.seed is not None else scenario.seed
+        # the router chooses among every replica of a role (mixed; or prefill, then decode)
+        self.by_role = {}
+        for replica in self.replicas:
+            self.by_role.setdefault(replica.pool.role, []).append(replica)
+        self.routers = {role: Router(cluster.router, rs, seed + k)
+                        for k, (role, rs) in enumerate(self.by_role.items())}
+        self.disagg = None
+        if cluster.disaggregated:
+            from simkv.sim.cluster.disagg import Disaggregation
+            self.disagg = Disaggregation(self)
+        # own horizons: the replicas cannot see one another
+        self.own_horizon = policy in STATE_INDEPENDENT and self.disagg is None
+        step_by_step = exact or step_terms or (
+            policy in READS_KV and len(self.replicas) > 1) or self.disagg is not None \
+            and policy in READS_KV
+        self.decode_runs = not step_by_step
+        self._arrivals_left = len(self.replicas) if self.own_horizon else 1
+        self.finished = False
+
+    # -- arrivals and cancellations -------------------------------------------------------------
+    def _own_arrivals(self, replica, requests):
+        """A replica's own requests, exactly as the single-replica simulator feeds them."""
+        env = self.env
+        for req in requests:
+            delay = req.arrival_s - env.now
+            if delay > 0:
+                replica.next_arrival_s = env.now + delay
+                yield env.timeout(delay)
+            replica.next_arrival_s = math.inf
+            replica.add(req, env.now)
+        replica.arrivals_done = True
+        replica.notify()
+        self._arrival_process_done()
+
+    def _routed_arrivals(self, requests):
+        """Every request, routed as it arrives."""
+        env = self.env
+        mixed = self.routers.get("mixed")
+        replicas = self.by_role.get("mixed")
+        for req in requests:
+            delay = req.arrival_s - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            if self.disagg is not None:
+                self.disagg.arrive(req, env.now)
+                continue
+            replicas[mixed.choose(req)].add(req, env.now)
+        for replica in self.replicas:
+            replica.arrivals_done = True
+            replica.notify()
+        self._arrival_process_done()
+
+    def _arrival_process_done(self) -> None:
+        self._arrivals_left -= 1
+
+    def cancel_timer(self, replica, req) -> None:
+        ev = self.env.timeout(req.cancel_after_s)
+        heapq.heappush(replica.cancel_at, self.env.now + req.cancel_after_s)
+        ev.callbacks.append(lambda _ev, r=replica, rid=req.request_id: self._cancel(r, rid))
+
+    def _cancel(self, replica, request_id: int) -> None:
+        heapq.heappop(replica.cancel_at)
+        if self.disagg is not None and self.disagg.cancel(request_id):
+            return
+        replica.scheduler.cancel(request_id)
+        replica.notify()
+
+    def _refresher(self):
+        """Every refresh_s, the routers take the replicas' state (refresh_s > 0)."""
+        env = self.env
+        period = self.cluster.router.refresh_s
+        while not self.finished:
+            for router in self.routers.values():
+                router.refresh()
+            yield env.timeout(period)
+
+    # -- one replica's loop -----------------------------------------------------------------------
+    def _horizon(self, replica) -> float:
+        if not self.own_horizon:
+            return self.env.peek()
+        cancel = replica.cancel_at[0] if replica.cancel_at else math.inf
+        return min(replica.next_arrival_s, cancel)
+
+    def _drive(self, replica, loop):
+        """Run a replica's serving loop on the clock (simkv.engine.loop's protocol)."""
+        env = self.env
+        scheduler = replica.scheduler
+        command = next(loop)
+        while True:
+            if command is NOW:
+                reply = env.now
+            elif command is HORIZON:
+                reply = self._horizon(replica)
+            elif command is IDLE:
+                if not scheduler.has_unfinished() and replica.arrivals_done \
+                        and not (self.disagg and self.disagg.pending_for(replica)):
+                    replica.served_s = env.now
+                    loop.close()
+                    self._replica_done()
+                    return
+                replica.wake = env.event()
+                yield replica.wake
+                replica.wake = None
+                reply = env.now
+            else:
+                yield env.timeout(command)
+                reply = env.now
+            if replica.before_schedule is not None and command is not HORIZON:
+                replica.before_schedule(replica)
+            command = loop.send(reply)
+
+    def _replica_done(self) -> None:
+        if all(r.served_s is not None for r in self.replicas):
+            self.finished = True
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self):
+        from simkv.sim.engine import SimResult
+
+        wall_start = time.perf_counter()
+        env = self.env
+        requests = requests_from_frame(self.frame)
+        if self.own_horizon:
+            replicas = self.replicas
+            router = self.cluster.router
+            seed = router.seed if router.seed is not None else self.scenario.seed
+            picks = assign(router.policy, [r.arrival_s for r in requests], len(replicas), seed)
+            parts = [[] for _ in replicas]
+            for req, pick in zip(requests, picks):
+                parts[pick].append(req)
+        for i, replica in enumerate(self.replicas):
+            if self.own_horizon:
+                env.process(self._own_arrivals(replica, parts[i]))
+            elif i == 0:
+                env.process(self._routed_arrivals(requests))
+            loop = serve(replica.scheduler, replica.executor, replica.recorder,
+                         check_integrity=self.check_integrity,
+                         on_step=(lambda plan, end, r=replica: r.on_step(r, end))
+                         if replica.on_step is not None else None,
+                         decode_runs=self.decode_runs,
+                         async_scheduling=replica.scenario.scheduler.async_scheduling)
+            env.process(self._drive(replica, loop))
+        if self.cluster.router.refresh_s > 0 and not self.own_horizon:
+            env.process(self._refresher())
+        env.run()
+        return self._results(wall_start, SimResult)
+
+    # -- results ---------------------------------------------------------------------------------
+    def _results(self, wall_start: float, SimResult):
+        scn = self.scenario
+        per_replica, frames, steps = [], [], []
+        for replica in self.replicas:
+            sched = replica.scheduler
+            served = replica.served_s if replica.served_s is not None else self.env.now
+            req_df = requests_frame(sched.done)
+            summary = summarize(replica.recorder, sched, req_df, sim_duration_s=served,
+                                wall_time_s=0.0, slo=scn.slo,
+                                cost_model=replica.cost_model.name,
+                                block_size=replica.scenario.cache.block_size)
+            summary.pop("wall_time_s")
+            per_replica.append((replica, summary, req_df))
+            step_df = replica.recorder.steps_frame()
+            if replica.executor.terms:
+                terms = pd.DataFrame(replica.executor.terms).add_prefix("term_")
+                step_df = pd.concat([step_df, terms.set_index(step_df.index)], axis=1)
+            step_df["replica"] = replica.name
+            steps.append(step_df)
+            frames.append(req_df.assign(replica=replica.name))
+        if self.disagg is not None:
+            req_all = self.disagg.requests_frame(per_replica)
+        else:
+            req_all = pd.concat(frames, ignore_index=True).sort_values(
+                "request_id", kind="stable").reset_index(drop=True)
+        steps_all = pd.concat(steps, ignore_index=True)
+        steps_all = steps_all.sort_values("start_s", kind="stable").reset_index(drop=True)
+        summary = fleet_summary.fleet_summary(self, per_replica, req_all, steps_all,
+                                              wall_time_s=time.perf_counter() - wall_start)
+        summary["wall_time_s"] = time.perf_counter() - wall_start
+        extra = {"dropped": dict(self.frame.attrs.get("dropped", {})),
+                 "warnings": list(self.frame.attrs.get("warnings", [])),
+                 "replicas": [r.name for r in self.replicas]}
+        return SimResult(summary, req_all.drop(columns=["queue_s"]), steps_all, scn, extra)
+
+
+def simulate_fleet(scenario, *, trace_df=None, check_integrity: bool = False, cost_model=None,
+                   step_terms: bool = False, exact: bool = False):
+    """Simulate a scenario with a `cluster:` section (module doc); a SimResult."""
+    return Fleet(scenario, trace_df, check_integrity, cost_model, step_terms, exact).run()
