@@ -246,6 +246,7 @@ class GpuSpec:
     host_link_bytes_per_s: float                 # one direction of the host link (swap traffic)
     sources: dict[str, str] = field(default_factory=dict)   # figure name -> where it comes from
     description: str = ""
+    price_usd_per_hour: Optional[float] = None   # on-demand rent of one GPU (None: unknown)
 
     def flops_per_s(self, dtype: str) -> float:
         """Dense tensor-core FLOP/s for `bf16` or `fp8` math."""
@@ -300,6 +301,13 @@ def load_gpu(name: str) -> GpuSpec:
             raise InputError(f"{path}: {name}.{key}.value must be a positive number, got {value!r}")
         values[key] = value
         sources[key] = str(figure.get("source", ""))
+    price = entry.get("price_usd_per_hour")       # optional: {value, source, date}
+    if price is not None:
+        value = price.get("value") if isinstance(price, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InputError(f"{path}: {name}.price_usd_per_hour.value must be a positive "
+                             f"number, got {value!r}")
+        sources["price_usd_per_hour"] = f"{price.get('source', '')} ({price.get('date', 'undated')})"
     return GpuSpec(
         name=name,
         memory_bytes=int(values["memory_bytes"]),
@@ -309,4 +317,5 @@ def load_gpu(name: str) -> GpuSpec:
         host_link_bytes_per_s=float(values["host_link_bytes_per_s"]),
         sources=sources,
         description=str(entry.get("description", "")),
+        price_usd_per_hour=float(price["value"]) if price is not None else None,
     )
