@@ -223,3 +223,48 @@ def test_run_writes_the_replica_column_and_prints_a_replica_table(tmp_path, caps
     summary = json.loads((out / "summary.json").read_text())
     assert [r["name"] for r in summary["replicas"]] == ["main-0", "main-1"]
     assert "replica" in (out / "requests.csv").read_text().splitlines()[0].split(",")
+
+
+def fleet_scenario_file(tmp_path, **cluster_section):
+    raw = scenario(num_requests=120, rate=10.0)
+    raw["slo"] = {"ttft_p90_s": 0.5, "tpot_p90_s": 0.03}
+    raw["cluster"] = cluster_section or cluster(1)
+    return write(tmp_path / "fleet.yaml", raw)
+
+
+def test_fleet_finds_the_smallest_passing_fleet_and_one_fewer_fails(tmp_path, capsys):
+    path = fleet_scenario_file(tmp_path)
+    assert run_cli(["fleet", str(path), "--rate", "60", "--json",
+                    "--gpu-price", "h200=2.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    n = out["replicas"]
+    assert n > 1 and out["pools"] == {"main": n} and out["gpus"] == n
+    assert out["cost_per_hour_usd"] == pytest.approx(2.5 * n)
+    assert out["largest_failing"]["replicas"] == n - 1 and out["largest_failing"]["reason"]
+    from simkv.whatif.capacity import judge_slo
+    scn = load_scenario(path, {"workload.time_scale": out["rate_scale"]})
+    for count, met in ((n, True), (n - 1, False)):
+        res = simulate(load_scenario(path, {"workload.time_scale": out["rate_scale"],
+                                            "cluster.pools.0.replicas": count}))
+        assert judge_slo(res.summary, res.requests, scn.slo).met is met
+    tokens = out["at_answer"]["throughput_output_tokens_per_s"]
+    assert out["cost_per_million_output_tokens_usd"] == pytest.approx(
+        2.5 * n / (tokens * 3600) * 1e6)
+
+
+def test_fleet_without_a_cluster_or_a_price_is_an_error(tmp_path, capsys):
+    path = write(tmp_path / "plain.yaml", scenario(num_requests=20))
+    assert run_cli(["fleet", str(path), "--rate", "5"]) == 2
+    assert "cluster" in capsys.readouterr().err
+    path = fleet_scenario_file(tmp_path, pools=[{"name": "l", "replicas": 1, "gpu": "l40s"}])
+    assert run_cli(["fleet", str(path), "--rate", "5"]) == 2
+    assert "--gpu-price l40s=" in capsys.readouterr().err
+
+
+def test_capacity_of_a_cluster_grows_with_its_replicas():
+    from simkv.whatif.capacity import find_capacity
+    raw = scenario(num_requests=120, rate=10.0)
+    raw["slo"] = {"ttft_p90_s": 0.5, "tpot_p90_s": 0.03}
+    rates = [find_capacity(load_scenario({**raw, "cluster": cluster(n)}), tolerance=0.05)
+             .max_rate_rps for n in (1, 2)]
+    assert rates[1] > 1.5 * rates[0]

@@ -1,6 +1,7 @@
 """The `simkv` command line (typer). `python cli.py ...` and `python -m simkv.cli ...` are the same.
 
 One module per command group: `run` (size, run), `trace`, `whatif` (sweep, capacity, check),
+`fleet` (fleet, and a fleet run's terminal summary),
 `gpu` (replay, profile, bench), `fit`, `validate`. Every bad input ends the same way: one line
 `error: ...` on stderr and exit code 2, never a traceback (see `run_cli`). Heavy imports
 (pandas, simpy, the simulator, torch) happen inside the commands, so that `simkv --help` stays
@@ -13,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from simkv.cli import fit, gpu, run, trace, validate, whatif
+from simkv.cli import fit, fleet, gpu, run, trace, validate, whatif
 from simkv.errors import InputError
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.add_typer(trace.trace_app, name="trace")
 app.command("sweep")(whatif.sweep)
 app.command("capacity")(whatif.capacity)
 app.command("check")(whatif.check)
+app.command("fleet")(fleet.fleet)
 app.command("replay")(gpu.replay)
 app.command("profile")(gpu.profile)
 app.add_typer(fit.fit_app, name="fit")

@@ -51,3 +51,54 @@ def print_fleet_summary(summary: dict, title: str) -> None:
         out.print(f"KV transfers over {kv['link']}: {kv['transfers']:,}, mean "
                   f"{fmt(kv['kv_transfer_s']['mean'])} s, p90 {fmt(kv['kv_transfer_s']['p90'])} s;"
                   f" waiting for decode room p90 {fmt(kv['handoff_wait_s']['p90'])} s")
+
+
+def fleet(
+    scenario: Path = typer.Argument(..., help="Scenario YAML with a cluster: section and SLOs."),
+    rate: float = typer.Option(..., "--rate", help="Requests per second (as capacity defines it)."),
+    set_: list[str] = typer.Option([], "--set", help="KEY=VALUE override (repeatable)."),
+    gpu_price: list[str] = typer.Option([], "--gpu-price",
+                                        help="GPU=USD_PER_HOUR (repeatable); default the specs'."),
+    gpu_budget: int = typer.Option(32, "--gpu-budget",
+                                   help="P/D: most GPUs (prefill + decode) to try."),
+    backend: str = typer.Option("local", "--backend", help="local | dask"),
+    dask_address: Optional[str] = typer.Option(None, "--dask-address",
+                                               help="dask scheduler; default a LocalCluster"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> int:
+    """The smallest fleet of the scenario's pools that meets its SLOs at --rate, with the
+    largest failing fleet as evidence, GPU count and cost."""
+    from simkv.config.scenario import load_scenario, parse_set
+    from simkv.errors import InputError
+
+    if backend not in ("local", "dask"):
+        raise InputError(f"--backend: {backend!r} is not one of local, dask")
+    find = require("simkv.whatif.fleet", "find_fleet", "fleet")
+    from simkv.whatif.fleet import parse_gpu_prices
+
+    scn = load_scenario(scenario, parse_set(set_))
+    result = find(scn, rate, gpu_prices=parse_gpu_prices(gpu_price), gpu_budget=gpu_budget,
+                  backend=backend, dask_address=dask_address)
+    if as_json:
+        print_json(result)
+        return 0
+    pools = ", ".join(f"{name} x {n}" for name, n in result["pools"].items())
+    slo = ", ".join(f"{k} <= {v:g}" for k, v in result["slo"].items())
+    at = result["at_answer"]
+    print(f"{scn.name} at {rate:g} requests/s (workload.time_scale {result['rate_scale']:.4g}),"
+          f" SLOs {slo}:")
+    print(f"  smallest fleet: {result['replicas']} replicas ({pools}), {result['gpus']} GPUs, "
+          f"${result['cost_per_hour_usd']:.2f}/h, "
+          + (f"${result['cost_per_million_output_tokens_usd']:.3f} per million output tokens"
+             if result["cost_per_million_output_tokens_usd"] is not None else "no output"))
+    print(f"  there: TTFT p90 {fmt(at['ttft_p90_s'])} s, TPOT p90 {fmt(at['tpot_p90_s'])} s, "
+          f"goodput {fmt(at['goodput_requests_per_s'])} requests/s")
+    largest = result["largest_failing"]
+    if largest is None:
+        print("  (one replica is enough: no smaller fleet to fail)")
+    else:
+        fails = ", ".join(f"{name} x {n}" for name, n in largest["pools"].items())
+        print(f"  largest failing: {largest['replicas']} replicas ({fails}): {largest['reason']}")
+    print(f"  {result['simulations']} simulations; prices: " + ", ".join(
+        f"{g} ${p:g}/h" for g, p in result["gpu_price_usd_per_hour"].items()))
+    return 0
