@@ -31,16 +31,11 @@ def peak_of_sum(steps, column: str) -> float:
     if not len(steps):
         return 0
     times = steps["start_s"].to_numpy()
-    values = steps[column].to_numpy().astype(np.int64)
-    names = steps["replica"].to_numpy()
-    deltas = np.empty(len(values), dtype=np.int64)
-    last: dict = {}
-    for i, (name, value) in enumerate(zip(names.tolist(), values.tolist())):
-        deltas[i] = value - last.get(name, 0)
-        last[name] = value
+    values = steps[column]
+    deltas = values.groupby(steps["replica"], sort=False).diff().fillna(values).to_numpy()
     level = np.cumsum(deltas)
     ends = np.append(times[1:] != times[:-1], True)     # the level once a time's events are in
-    return int(level[ends].max())
+    return int(round(level[ends].max()))
 
 
 def aggregate(replicas: list, requests, steps, *, duration_s: float, slo: dict,
@@ -149,6 +144,11 @@ def fleet_summary(fleet, per_replica: list, requests, steps, wall_time_s: float)
     total["wall_time_s"] = wall_time_s
     pools = []
     for pool, members in fleet.pools:
+        if len(fleet.pools) == 1:            # the pool is the fleet
+            pools.append({"name": pool.name, "role": pool.role, "replicas": pool.replicas,
+                          "gpu": pool.scenario.gpu.name, "model": pool.scenario.model.name,
+                          **{k: v for k, v in total.items() if k != "wall_time_s"}})
+            break
         rows = [(r, s, df) for r, s, df in per_replica if r.pool is pool]
         import pandas as pd
         frame = pd.concat([df for _, _, df in rows], ignore_index=True).sort_values(
