@@ -247,6 +247,7 @@ class GpuSpec:
     sources: dict[str, str] = field(default_factory=dict)   # figure name -> where it comes from
     description: str = ""
     price_usd_per_hour: Optional[float] = None   # on-demand rent of one GPU (None: unknown)
+    price_source: str = ""                       # where the price comes from, and its date
 
     def flops_per_s(self, dtype: str) -> float:
         """Dense tensor-core FLOP/s for `bf16` or `fp8` math."""
@@ -307,7 +308,7 @@ def load_gpu(name: str) -> GpuSpec:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise InputError(f"{path}: {name}.price_usd_per_hour.value must be a positive "
                              f"number, got {value!r}")
-        sources["price_usd_per_hour"] = f"{price.get('source', '')} ({price.get('date', 'undated')})"
+        price_source = f"{price.get('source', '')} ({price.get('date', 'undated')})"
     return GpuSpec(
         name=name,
         memory_bytes=int(values["memory_bytes"]),
@@ -318,4 +319,5 @@ def load_gpu(name: str) -> GpuSpec:
         sources=sources,
         description=str(entry.get("description", "")),
         price_usd_per_hour=float(price["value"]) if price is not None else None,
+        price_source=price_source if price is not None else "",
     )
