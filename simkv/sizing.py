@@ -26,7 +26,8 @@ CacheConfig = SchedulerConfig = Any
 MIB = 1 << 20
 GIB = 1 << 30
 
-# Weights are served in bf16 (2 bytes per parameter); fp8 applies to the KV cache only.
+# Unquantized weights are served in bf16 (2 bytes per parameter); a checkpoint with a
+# `quantization_config`, or a `weights_dtype` override, holds what simkv.weights charges.
 WEIGHT_DTYPE_BYTES = 2
 
 # --- Estimates used until a GPU profile exists ------------------------------------------------
@@ -80,6 +81,15 @@ PROFILE_ENGINE_BATCHED_TOKENS = 8192
 # with two 128 MiB chunks reserved (profiles/h200/llama-3.1-8b/validation, azure-conv-tight-
 # {swap,recompute}-bs16, realtime/ledger.json, 2026-11-29). Chunks of 128 MiB still move at the
 # link's bandwidth (a 128 MiB copy is ~3.0 ms at 45 GB/s against ~0.3 ms per transfer).
+# Mixture-of-experts layers (vLLM's fused_moe, vllm/model_executor/layers/fused_moe): per routed
+# token and chosen expert, the gate/up output (2 x expert width) shares one buffer with the down
+# output (hidden size), beside the activation output (1 x expert width), all in the model dtype
+# (`intermediate_cache13`, `intermediate_cache2`); tokens are taken in chunks of at most
+# VLLM_FUSED_MOE_CHUNK_SIZE (16,384 by default, vllm/envs.py). The router adds its logits (one
+# per expert, model dtype) and the top-k weights (fp32) and ids (int32) per token.
+# An estimate from the buffers' shapes, not measured: no MoE profile exists yet.
+FUSED_MOE_CHUNK_TOKENS = 16384
+TOPK_WEIGHT_ID_BYTES = 4 + 4
 SWAP_STAGING_CHUNK_BYTES = 128 * MIB
 SWAP_STAGING_CHUNKS = 2
 
@@ -114,6 +124,11 @@ class Sizing:
     ledger_file: Optional[str] = None  # the measured ledger used (source "profile")
     num_gpu_blocks: Optional[int] = None  # with cache.null_block: the pool as vLLM counts it,
                                           # num_blocks + its null block
+    total_params: int = 0          # every parameter of the checkpoint
+    active_params: int = 0         # those one token uses (total_params for a dense model)
+    weights_dtype: str = "bf16"    # what the linear weights are stored as
+    quantization: Optional[str] = None   # how (simkv.weights.Quantization.describe), or None
+    moe: Optional[dict] = None     # a MoE model's experts (moe_summary), else None
 
     @property
     def needed_bytes(self) -> int:
@@ -124,9 +139,27 @@ class Sizing:
         """Plain dict (JSON-serialisable), keys as `simkv size --json` (num_gpu_blocks only
         with a null block)."""
         out = asdict(self)
-        if self.num_gpu_blocks is None:
-            del out["num_gpu_blocks"]
+        for key in ("num_gpu_blocks", "moe"):
+            if out[key] is None:
+                del out[key]
         return out
+
+
+def moe_summary(model: ModelSpec, scheduler: SchedulerConfig) -> Optional[dict]:
+    """A MoE model's experts for `simkv size`: counts, bytes of one routed expert of one layer
+    and of all of them, and the expert layer's workspace at max_num_batched_tokens."""
+    e = model.experts
+    if e is None:
+        return None
+    return {
+        "num_experts": e.num_experts, "top_k": e.top_k,
+        "num_shared_experts": e.num_shared_experts,
+        "expert_intermediate_size": e.expert_intermediate_size,
+        "num_moe_layers": e.num_moe_layers, "expert_params": model.expert_params,
+        "expert_bytes": model.expert_bytes, "routed_expert_bytes": model.routed_expert_bytes(),
+        "moe_workspace_bytes": estimate_moe_workspace_bytes(
+            model, scheduler.max_num_batched_tokens),
+    }
 
 
 def seq_blocks(num_tokens: int, block_size: int) -> int:
@@ -146,16 +179,34 @@ def memory_budget_bytes(gpu: GpuSpec, cache: CacheConfig) -> int:
     return math.floor(cache.gpu_memory_utilization * gpu.memory_bytes)
 
 
+def estimate_moe_workspace_bytes(model: ModelSpec, tokens: int) -> int:
+    """Estimated workspace (bytes) of one mixture-of-experts layer over `tokens` routed tokens
+    (FUSED_MOE_CHUNK_TOKENS above says what it holds); 0 for a dense model."""
+    e = model.experts
+    if e is None:
+        return 0
+    width, hidden = e.expert_intermediate_size, model.hidden_size
+    chunk = min(tokens, FUSED_MOE_CHUNK_TOKENS)
+    experts = chunk * e.top_k * (max(2 * width, hidden) + width) * ACTIVATION_DTYPE_BYTES
+    router = tokens * (e.num_experts * ACTIVATION_DTYPE_BYTES + e.top_k * TOPK_WEIGHT_ID_BYTES)
+    shared = tokens * 3 * width * e.num_shared_experts * ACTIVATION_DTYPE_BYTES
+    return experts + router + shared
+
+
 def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> int:
-    """Estimated peak activation workspace (bytes) of a forward over max_num_batched_tokens."""
+    """Estimated peak activation workspace (bytes) of a forward over max_num_batched_tokens:
+    the hidden-sized tensors plus the largest of a dense MLP's, attention's and (MoE) the
+    expert layer's workspace, or the sampler's logits when larger."""
     tokens = scheduler.max_num_batched_tokens
-    mlp_elems = 3 * model.intermediate_size
+    dense_layers = model.num_layers - (model.experts.num_moe_layers if model.experts else 0)
+    mlp_elems = 3 * model.intermediate_size if dense_layers else 0
     attention_elems = (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    per_token = (HIDDEN_SIZED_TENSORS * model.hidden_size + max(mlp_elems, attention_elems)) \
-        * ACTIVATION_DTYPE_BYTES
+    hidden = tokens * HIDDEN_SIZED_TENSORS * model.hidden_size * ACTIVATION_DTYPE_BYTES
+    layer = max(tokens * max(mlp_elems, attention_elems) * ACTIVATION_DTYPE_BYTES,
+                estimate_moe_workspace_bytes(model, tokens))
     sampled_rows = min(scheduler.max_num_seqs, tokens)
     logits = sampled_rows * model.vocab_size * LOGITS_DTYPE_BYTES
-    return max(tokens * per_token, logits)
+    return max(hidden + layer, logits)
 
 
 def estimate_graph_pool_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> int:
@@ -219,7 +270,7 @@ def _profile_terms(profile: dict, model: ModelSpec, scheduler: SchedulerConfig) 
 
 def _estimated_terms(model: ModelSpec, scheduler: SchedulerConfig) -> tuple:
     """(weights, activation, other, other_parts) bytes from the estimates above."""
-    weights = model.weight_bytes(WEIGHT_DTYPE_BYTES)
+    weights = model.weight_bytes()
     activation = estimate_activation_bytes(model, scheduler)
     other_parts = {
         "cuda_context_bytes": CUDA_CONTEXT_BYTES,
@@ -309,6 +360,10 @@ def size_pool(
         max_cached_tokens=num_blocks * cache.block_size, source=source, ledger=ledger,
         num_host_blocks=int(cache.swap_space_gib * GIB) // bytes_per_block,
         ledger_file=ledger_file, num_gpu_blocks=num_gpu_blocks,
+        total_params=model.num_params, active_params=model.active_params,
+        weights_dtype=model.weights_dtype,
+        quantization=model.quantization.describe() if model.quantization else None,
+        moe=moe_summary(model, scheduler),
     )
 
 

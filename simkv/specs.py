@@ -7,6 +7,7 @@ file and the field.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,13 +16,25 @@ from typing import Any, Optional
 import yaml
 
 from simkv.errors import InputError, read_json_object
+from simkv.weights import Experts, Quantization, Shape, layout, tensor_bytes
 
-SUPPORTED_ARCHITECTURES = (
+DENSE_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+# `quantization_config.quant_method` values simkv sizes (simkv.weights says how each stores)
+QUANT_METHODS = ("fp8", "awq", "gptq", "mxfp4")
+# `weights_dtype` overrides: what the linear weights are served as
+WEIGHTS_DTYPES = ("bf16", "fp8", "int4", "mxfp4")
 
 # Bytes per element of a KV cache entry.
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
@@ -50,7 +63,8 @@ def closest_name(text: str, names: list[str]) -> Optional[str]:
 
 @dataclass
 class ModelSpec:
-    """A dense decoder-only transformer, as far as memory and compute are concerned."""
+    """A decoder-only transformer (dense or mixture-of-experts), as far as memory and compute
+    are concerned. `weights` lists every tensor the checkpoint holds (simkv.weights)."""
 
     name: str
     architecture: str
@@ -59,7 +73,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int               # the dense MLP's (Mixtral, gpt-oss: each expert's)
     vocab_size: int
     max_position_embeddings: int
     rope_theta: float
@@ -69,77 +83,254 @@ class ModelSpec:
     num_params: int
     torch_dtype: str
     path: Optional[Path] = None             # the config.json it was loaded from
+    weights: tuple = ()                     # simkv.weights.Weight groups
+    experts: Optional[Experts] = None       # None: a dense model
+    quantization: Optional[Quantization] = None
+    kv_lora_rank: Optional[int] = None      # MLA: one latent of kv_lora_rank + qk_rope_head_dim
+    qk_rope_head_dim: Optional[int] = None  #      elements per token and layer is the KV cache
+    qk_head_dim: Optional[int] = None       # per-head query-key width (head_dim unless MLA)
+    v_head_dim: Optional[int] = None        # per-head value width (head_dim unless MLA)
+    layer_types: Optional[tuple] = None     # config's `layer_types` (sliding/full), as given
+    sliding_window: Optional[int] = None
 
+    # --- KV ------------------------------------------------------------------------------
     def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
-        """Bytes of KV cache one token occupies: K and V, every layer, every KV head."""
+        """Bytes of KV cache one token occupies: K and V, every layer, every KV head (MLA: the
+        one compressed latent per layer, as vLLM stores it)."""
+        if self.kv_lora_rank is not None:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) \
+                * KV_DTYPE_BYTES[kv_dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[kv_dtype]
 
-    def weight_bytes(self, dtype_bytes: int = 2) -> int:
-        """Bytes of all weights at `dtype_bytes` per parameter (2 = bf16)."""
-        return self.num_params * dtype_bytes
+    # --- parameters ----------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.experts is not None
+
+    def params_by_part(self) -> dict:
+        """Parameters per model part (simkv.weights.PARTS), parts the model lacks left out."""
+        out: dict = {}
+        for w in self.weights:
+            out[w.part] = out.get(w.part, 0) + w.params
+        return out
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert of one layer (weights and biases); 0 when dense."""
+        if self.experts is None:
+            return 0
+        e = self.experts
+        return self.params_by_part()["expert"] // (e.num_experts * e.num_moe_layers)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (the
+        embedding table and the LM head included)."""
+        if self.experts is None:
+            return self.num_params
+        e = self.experts
+        return self.num_params - (e.num_experts - e.top_k) * e.num_moe_layers * self.expert_params
+
+    # --- bytes ---------------------------------------------------------------------------
+    @property
+    def weights_dtype(self) -> str:
+        """What the linear weights are stored as: bf16, fp8, int4, int8 or mxfp4 (experts)."""
+        return self.quantization.weights_dtype if self.quantization else "bf16"
+
+    def weight_bytes(self, dtype_bytes: Optional[int] = None) -> int:
+        """Bytes of all weights as the checkpoint holds them (quantized matrices with their
+        scales); with `dtype_bytes`, every parameter at that many bytes instead."""
+        if dtype_bytes is not None:
+            return self.num_params * dtype_bytes
+        return sum(tensor_bytes(w, self.quantization) for w in self.weights)
+
+    def routed_expert_bytes(self) -> int:
+        """Bytes of every routed expert of every MoE layer (0 when dense)."""
+        return sum(tensor_bytes(w, self.quantization) for w in self.weights
+                   if w.part == "expert")
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert of one layer (0 when dense)."""
+        if self.experts is None:
+            return 0
+        return self.routed_expert_bytes() // (self.experts.num_experts
+                                              * self.experts.num_moe_layers)
 
     def forward_flops(self) -> tuple:
         """(FLOPs per token of every layer but the embedding table and the LM head, per sampled
-        row of the LM head, per query-key pair of attention) of one forward pass."""
+        row of the LM head, per query-key pair of attention) of one forward pass. A token runs
+        its active parameters: the routed experts it is sent to, not all of them."""
         embed = self.vocab_size * self.hidden_size
-        dense = self.num_params - embed * (1 if self.tie_word_embeddings else 2)
-        return 2.0 * dense, 2.0 * embed, 4.0 * self.num_layers * self.num_heads * self.head_dim
+        dense = self.active_params - embed * (1 if self.tie_word_embeddings else 2)
+        qk = self.qk_head_dim or self.head_dim
+        v = self.v_head_dim or self.head_dim
+        return 2.0 * dense, 2.0 * embed, 2.0 * self.num_layers * self.num_heads * (qk + v)
 
 
-def count_params(
-    architecture: str,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    hidden_size: int,
-    intermediate_size: int,
-    vocab_size: int,
-    tie_word_embeddings: bool,
-    attention_bias: bool = False,
-    mlp_bias: bool = False,
-) -> int:
-    """Parameters of a Llama-shaped decoder (count, not bytes).
-
-    Per layer: q/k/v/o projections, gated MLP (gate, up, down), two RMSNorms; Qwen2 always has
-    q/k/v biases, Qwen3 adds per-head q/k RMSNorms. Plus token embeddings, the final norm and
-    the LM head (shared with the embeddings when tied).
-    """
-    q_out = num_heads * head_dim
-    kv_out = num_kv_heads * head_dim
-    attention = hidden_size * q_out + 2 * hidden_size * kv_out + q_out * hidden_size
-    if architecture == "Qwen2ForCausalLM":
-        attention += q_out + 2 * kv_out                          # q/k/v bias, no o bias
-    elif attention_bias:
-        attention += q_out + 2 * kv_out + hidden_size            # q/k/v/o bias
-    if architecture == "Qwen3ForCausalLM":
-        attention += 2 * head_dim                                # q_norm, k_norm
-    mlp = 3 * hidden_size * intermediate_size
-    if mlp_bias:
-        mlp += 2 * intermediate_size + hidden_size
-    norms = 2 * hidden_size
-    per_layer = attention + mlp + norms
-
-    embeddings = vocab_size * hidden_size
-    lm_head = 0 if tie_word_embeddings else vocab_size * hidden_size
-    return num_layers * per_layer + embeddings + hidden_size + lm_head
+def count_params(architecture: str, shape: Shape) -> int:
+    """Parameters (count, not bytes) of a decoder of `architecture` with dimensions `shape`:
+    the sum over simkv.weights.layout."""
+    return sum(w.params for w in layout(architecture, shape))
 
 
-def _required(config: dict, key: str, path: Path, kind: type) -> Any:
+# ----------------------------------------------------------------------------------------------
+# config.json fields, type-checked where they are read (every message names the file and key)
+
+_MISSING = object()
+
+
+def _value(config: dict, key: str, path: Path, default):
     if key not in config or config[key] is None:
-        raise InputError(f"{path}: missing required field '{key}'")
-    value = config[key]
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise InputError(f"{path}: field '{key}' must be a positive integer, got {value!r}")
+        if default is _MISSING:
+            raise InputError(f"{path}: missing required field '{key}'")
+        return default
+    return config[key]
+
+
+def _int(config: dict, key: str, path: Path, default=_MISSING, minimum: int = 1):
+    """An integral field >= minimum (a JSON integer, or a float with no fraction: 8.0)."""
+    if default is not _MISSING and config.get(key) is None:
+        return default
+    value = _value(config, key, path, _MISSING)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise InputError(f"{path}: field '{key}' must be {kind}, got {value!r}")
     return value
 
 
-def model_from_config(config: dict, path: Path, name: Optional[str] = None) -> ModelSpec:
-    """Build a ModelSpec from a parsed HF `config.json` dict; `path` is used in error messages."""
+def _number(config: dict, key: str, path: Path, default: float) -> float:
+    """A finite positive number."""
+    value = _value(config, key, path, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise InputError(f"{path}: field '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool(config: dict, key: str, path: Path, default: bool) -> bool:
+    value = _value(config, key, path, default)
+    if not isinstance(value, bool):
+        raise InputError(f"{path}: field '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _strings(config: dict, key: str, path: Path) -> tuple:
+    value = _value(config, key, path, [])
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InputError(f"{path}: field '{key}' must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _experts(architecture: str, config: dict, path: Path, num_layers: int,
+             intermediate_size: int) -> Experts:
+    """The routed experts of a MoE config, by each family's key names."""
+    shared, layers = 0, range(num_layers)
+    if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        num_experts = _int(config, "num_local_experts", path)
+        width = intermediate_size
+    elif architecture == "Qwen3MoeForCausalLM":
+        num_experts = _int(config, "num_experts", path)
+        width = _int(config, "moe_intermediate_size", path)
+        step = _int(config, "decoder_sparse_step", path, 1)
+        dense = config.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+                for i in dense):
+            raise InputError(f"{path}: field 'mlp_only_layers' must be a list of layer indices "
+                             f"in [0, {num_layers}), got {dense!r}")
+        layers = [i for i in layers if i not in dense and (i + 1) % step == 0]
+    else:                                                   # DeepseekV3ForCausalLM
+        num_experts = _int(config, "n_routed_experts", path)
+        width = _int(config, "moe_intermediate_size", path)
+        shared = _int(config, "n_shared_experts", path, 0, minimum=0)
+        first_dense = _int(config, "first_k_dense_replace", path, 0, minimum=0)
+        freq = _int(config, "moe_layer_freq", path, 1)
+        if first_dense > num_layers:
+            raise InputError(f"{path}: field 'first_k_dense_replace' ({first_dense}) is more "
+                             f"than num_hidden_layers ({num_layers})")
+        layers = [i for i in layers if i >= first_dense and i % freq == 0]
+    top_k = _int(config, "num_experts_per_tok", path)
+    if top_k > num_experts:
+        raise InputError(f"{path}: field 'num_experts_per_tok' ({top_k}) is more than the "
+                         f"{num_experts} routed experts")
+    if not layers:
+        raise InputError(f"{path}: no layer is a mixture-of-experts layer (check "
+                         "first_k_dense_replace / mlp_only_layers / decoder_sparse_step)")
+    return Experts(num_experts, top_k, shared, width, len(layers), tuple(layers))
+
+
+def _quantization(config: dict, path: Path) -> Optional[Quantization]:
+    """The checkpoint's `quantization_config`, or None when it has none."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    key = "quantization_config"
+    if not isinstance(q, dict):
+        raise InputError(f"{path}: field '{key}' must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise InputError(f"{path}: unsupported quantization method {method!r} in "
+                         f"'{key}.quant_method' (supported: {', '.join(QUANT_METHODS)})")
+    where = f"{key}.quant_method {method}"
+    skip = _strings(q, "modules_to_not_convert", f"{path}: {key}")
+    if method == "fp8":
+        skip += _strings(q, "ignored_layers", f"{path}: {key}")
+        block = q.get("weight_block_size")
+        if block is not None:
+            if not isinstance(block, list) or len(block) != 2 or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+                raise InputError(f"{path}: field '{key}.weight_block_size' must be two positive "
+                                 f"integers, got {block!r}")
+            block = tuple(block)
+        return Quantization("fp8", bits=8, block=block, skip=skip)
+    if method == "mxfp4":
+        return Quantization("mxfp4", bits=4, skip=skip)
+    bits_key = "w_bit" if "w_bit" in q and "bits" not in q else "bits"
+    bits = _int(q, bits_key, f"{path}: {key}")
+    if bits not in (4, 8):
+        raise InputError(f"{path}: field '{key}.{bits_key}' must be 4 or 8 ({where}), got {bits}")
+    group_key = "q_group_size" if "q_group_size" in q and "group_size" not in q else "group_size"
+    group = _value(q, group_key, f"{path}: {key}", -1)
+    if isinstance(group, bool) or not isinstance(group, int) or (group <= 0 and group != -1):
+        raise InputError(f"{path}: field '{key}.{group_key}' must be a positive integer or -1 "
+                         f"(one group per column), got {group!r}")
+    zero_point = _bool(q, "zero_point", f"{path}: {key}", True) if method == "awq" else True
+    return Quantization(method, bits=bits, group_size=None if group == -1 else group,
+                        zero_point=zero_point, skip=skip)
+
+
+def quantization_for(weights_dtype: str, model_name: str, is_moe: bool) -> Optional[Quantization]:
+    """The Quantization a `weights_dtype` override stands for: bf16 none; fp8 vLLM's on-the-fly
+    fp8 (per-tensor scales, every linear layer of the decoder); int4 4-bit with a float16 scale
+    and a 4-bit zero point per 128 input features (AWQ's layout); mxfp4 the routed experts in
+    MXFP4 (gpt-oss's layout)."""
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise InputError(f"weights_dtype: {weights_dtype!r} is not one of "
+                         f"{', '.join(WEIGHTS_DTYPES)}")
+    if weights_dtype == "bf16":
+        return None
+    if weights_dtype == "fp8":
+        return Quantization("fp8", bits=8, source="weights_dtype")
+    if weights_dtype == "int4":
+        return Quantization("awq", bits=4, group_size=128, source="weights_dtype")
+    if not is_moe:
+        raise InputError(f"weights_dtype: mxfp4 quantizes routed experts only and {model_name} "
+                         "has none (fp8 or int4 quantize every linear layer)")
+    return Quantization("mxfp4", bits=4, source="weights_dtype")
+
+
+def model_from_config(config: dict, path: Path, name: Optional[str] = None,
+                      weights_dtype: Optional[str] = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed HF `config.json` dict; `path` is used in error messages.
+    `weights_dtype` (bf16 | fp8 | int4 | mxfp4) replaces the checkpoint's quantization."""
     if not isinstance(config, dict):
         raise InputError(f"{path}: expected a JSON object (an HF config.json)")
     architectures = config.get("architectures") or []
-    if not isinstance(architectures, list) or not architectures:
+    if not isinstance(architectures, list) or not architectures \
+            or not isinstance(architectures[0], str):
         raise InputError(
             f"{path}: missing required field 'architectures' "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -151,24 +342,67 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None) -> M
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
 
-    num_layers = _required(config, "num_hidden_layers", path, int)
-    num_heads = _required(config, "num_attention_heads", path, int)
-    hidden_size = _required(config, "hidden_size", path, int)
-    intermediate_size = _required(config, "intermediate_size", path, int)
-    vocab_size = _required(config, "vocab_size", path, int)
-    max_position_embeddings = _required(config, "max_position_embeddings", path, int)
-    # Configs without num_key_value_heads are plain multi-head attention (as transformers reads them).
-    num_kv_heads = config.get("num_key_value_heads") or num_heads
-    head_dim = config.get("head_dim") or hidden_size // num_heads
+    num_layers = _int(config, "num_hidden_layers", path)
+    num_heads = _int(config, "num_attention_heads", path)
+    hidden_size = _int(config, "hidden_size", path)
+    intermediate_size = _int(config, "intermediate_size", path)
+    vocab_size = _int(config, "vocab_size", path)
+    max_position_embeddings = _int(config, "max_position_embeddings", path)
+    # Configs without num_key_value_heads are plain multi-head attention (as transformers reads
+    # them); a 0 is refused, never read as "absent".
+    num_kv_heads = _int(config, "num_key_value_heads", path, num_heads)
+    if "head_dim" in config and config["head_dim"] is not None:
+        head_dim = _int(config, "head_dim", path)
+    elif hidden_size % num_heads:
+        raise InputError(f"{path}: no 'head_dim', and hidden_size ({hidden_size}) is not a "
+                         f"multiple of num_attention_heads ({num_heads})")
+    else:
+        head_dim = hidden_size // num_heads
     if num_heads % num_kv_heads != 0:
         raise InputError(
             f"{path}: num_attention_heads ({num_heads}) is not a multiple of "
             f"num_key_value_heads ({num_kv_heads})"
         )
-    tie = bool(config.get("tie_word_embeddings", False))
+    tie = _bool(config, "tie_word_embeddings", path, False)
+    rope_scaling = config.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise InputError(f"{path}: field 'rope_scaling' must be an object or null, "
+                         f"got {rope_scaling!r}")
+    torch_dtype = config.get("torch_dtype", config.get("dtype", "bfloat16"))
+    if not isinstance(torch_dtype, str):
+        raise InputError(f"{path}: field 'torch_dtype' must be a string, got {torch_dtype!r}")
+
+    mla: dict = {}
+    if architecture == "DeepseekV3ForCausalLM":
+        mla = {k: _int(config, k, path) for k in
+               ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+        mla["q_lora_rank"] = _int(config, "q_lora_rank", path, None)
+    experts = _experts(architecture, config, path, num_layers, intermediate_size) \
+        if architecture in MOE_ARCHITECTURES else None
+    layer_types = None
+    if config.get("layer_types") is not None:
+        layer_types = _strings(config, "layer_types", path)
+        if len(layer_types) != num_layers:
+            raise InputError(f"{path}: field 'layer_types' has {len(layer_types)} entries, "
+                             f"num_hidden_layers is {num_layers}")
+    shape = Shape(
+        num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        vocab_size=vocab_size, tie_word_embeddings=tie,
+        attention_bias=_bool(config, "attention_bias", path, False),
+        mlp_bias=_bool(config, "mlp_bias", path, False), experts=experts, **mla)
+    weights = tuple(layout(architecture, shape))
 
     if name is None:
         name = path.parent.name if path.name == "config.json" else path.stem
+    quantization = _quantization(config, path)
+    if weights_dtype is not None:
+        as_stored = quantization.weights_dtype if quantization else "bf16"
+        quantization = quantization_for(weights_dtype, name, experts is not None)
+        if weights_dtype != as_stored:
+            # another checkpoint than the one profiled under `name`: its own name, so that no
+            # profile or measured ledger of the stored weights is taken for it
+            name = f"{name}-{weights_dtype}"
     return ModelSpec(
         name=name,
         architecture=architecture,
@@ -180,18 +414,23 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None) -> M
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=float(config.get("rope_theta", 10000.0)),
-        rope_scaling=config.get("rope_scaling"),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_number(config, "rope_theta", path, 10000.0),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=_number(config, "rms_norm_eps", path, 1e-6),
         tie_word_embeddings=tie,
-        num_params=count_params(
-            architecture, num_layers, num_heads, num_kv_heads, head_dim, hidden_size,
-            intermediate_size, vocab_size, tie,
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-        ),
-        torch_dtype=str(config.get("torch_dtype", "bfloat16")),
+        num_params=sum(w.params for w in weights),
+        torch_dtype=torch_dtype,
         path=path,
+        weights=weights,
+        experts=experts,
+        quantization=quantization,
+        kv_lora_rank=mla.get("kv_lora_rank"),
+        qk_rope_head_dim=mla.get("qk_rope_head_dim"),
+        qk_head_dim=(mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]) if mla else None,
+        v_head_dim=mla.get("v_head_dim"),
+        layer_types=layer_types,
+        sliding_window=_int(config, "sliding_window", path, None)
+        if architecture == "GptOssForCausalLM" else None,
     )
 
 
@@ -200,17 +439,18 @@ def bundled_models() -> list[str]:
     return sorted(p.stem for p in (profiles_dir() / "models").glob("*.json"))
 
 
-def load_model(name_or_path: str | Path) -> ModelSpec:
-    """Load a bundled model by name (`llama-3.1-8b`) or an HF `config.json` (or its folder) by path."""
+def load_model(name_or_path: str | Path, weights_dtype: Optional[str] = None) -> ModelSpec:
+    """Load a bundled model by name (`llama-3.1-8b`) or an HF `config.json` (or its folder) by
+    path; `weights_dtype` (bf16 | fp8 | int4 | mxfp4) replaces the checkpoint's quantization."""
     text = str(name_or_path)
     bundled = profiles_dir() / "models" / f"{text.lower()}.json"
     if "/" not in text and os.sep not in text and bundled.is_file():
-        return _read_model(bundled, name=text.lower())
+        return _read_model(bundled, name=text.lower(), weights_dtype=weights_dtype)
     path = Path(text)
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return _read_model(path)
+        return _read_model(path, weights_dtype=weights_dtype)
     if path.suffix == ".json" or "/" in text or os.sep in text:
         raise InputError(
             f"{text}: no such model config file (simkv reads local files only: give a bundled "
@@ -225,9 +465,10 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     )
 
 
-def _read_model(path: Path, name: Optional[str] = None) -> ModelSpec:
+def _read_model(path: Path, name: Optional[str] = None,
+                weights_dtype: Optional[str] = None) -> ModelSpec:
     config = read_json_object(path, "an HF config.json")
-    return model_from_config(config, path, name=name)
+    return model_from_config(config, path, name=name, weights_dtype=weights_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

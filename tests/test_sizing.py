@@ -169,7 +169,8 @@ def test_to_dict_has_the_keys_of_size_json():
         "model", "gpu", "block_size", "kv_dtype", "bytes_per_token", "bytes_per_block",
         "memory_budget_bytes", "weights_bytes", "activation_bytes", "other_bytes",
         "kv_pool_bytes", "num_blocks", "max_cached_tokens", "source", "ledger", "num_host_blocks",
-        "ledger_file", "num_gpu_blocks",
+        "ledger_file", "num_gpu_blocks", "total_params", "active_params", "weights_dtype",
+        "quantization",
     ]
 
 

@@ -25,6 +25,7 @@ PUBLISHED_PARAMS = {
     "mistral-7b-v0.3": 7_248_023_552,
     "qwen2.5-7b": 7_615_616_512,         # includes q/k/v biases
     "qwen3-32b": 32_762_123_264,         # includes per-head q/k norms
+    "llama-3.2-3b": 3_212_749_824,       # tied embeddings
 }
 
 
@@ -42,10 +43,11 @@ def write_config(folder: Path, **changes) -> Path:
     return path
 
 
-def test_bundled_models_are_the_seven_documented_ones():
+def test_bundled_models_are_the_twelve_documented_ones():
     assert bundled_models() == [
-        "llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.3",
-        "qwen2.5-7b", "qwen3-32b", "tiny",
+        "deepseek-v3", "gpt-oss-20b", "llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b",
+        "llama-3.2-3b", "mistral-7b-v0.3", "mixtral-8x7b-v0.1", "qwen2.5-7b", "qwen3-30b-a3b",
+        "qwen3-32b", "tiny",
     ]
 
 
@@ -117,10 +119,10 @@ def test_missing_field_is_rejected_naming_file_and_field(tmp_path):
 
 
 def test_unsupported_architecture_is_rejected_listing_the_supported_ones(tmp_path):
-    path = write_config(tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
+    path = write_config(tmp_path / "gemma", architectures=["Gemma3ForCausalLM"])
     with pytest.raises(InputError) as e:
         load_model(str(path))
-    assert "unsupported architecture 'MixtralForCausalLM'" in str(e.value)
+    assert "unsupported architecture 'Gemma3ForCausalLM'" in str(e.value)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(e.value)
 

@@ -15,6 +15,10 @@ def size(
     gpu: str = typer.Option("h200", "--gpu", "-g", help="Bundled GPU name."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block (power of two)."),
     kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="KV cache dtype: bf16 or fp8."),
+    weights_dtype: Optional[str] = typer.Option(
+        None, "--weights-dtype",
+        help="Serve the weights as bf16, fp8, int4 (group 128) or mxfp4 (experts); default: "
+             "what the checkpoint holds (its quantization_config)."),
     gpu_memory_utilization: float = typer.Option(
         0.9, "--gpu-memory-utilization", help="Fraction of GPU memory simkv may use, in (0, 1]."),
     memory_budget_gib: Optional[float] = typer.Option(
@@ -54,7 +58,7 @@ def size(
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     gpu_spec = load_gpu(gpu)
     rules.resolve(semantics, cache, scheduler, gpu_spec)
-    sizing = size_pool(load_model(model), gpu_spec, cache, scheduler)
+    sizing = size_pool(load_model(model, weights_dtype=weights_dtype), gpu_spec, cache, scheduler)
     problem = fit_error(sizing)
     if problem:
         raise InputError(problem)
@@ -73,7 +77,23 @@ def _print_sizing(sizing) -> None:
     table = Table(title=f"{sizing.model} on {sizing.gpu}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
+    moe = sizing.moe
+    params = f"{sizing.total_params / 1e9:,.2f} B"
+    if moe:
+        params += f" total, {sizing.active_params / 1e9:,.2f} B active"
     rows = [
+        ("parameters", params),
+        ("weights dtype", sizing.quantization or sizing.weights_dtype),
+    ]
+    if moe:
+        rows += [
+            ("experts", f"{moe['num_experts']} routed (top {moe['top_k']})"
+             + (f" + {moe['num_shared_experts']} shared" if moe["num_shared_experts"] else "")
+             + f" in {moe['num_moe_layers']} layers"),
+            ("  one expert of one layer", f"{moe['expert_bytes'] / MIB:,.2f} MiB"),
+            ("  MoE workspace (in activation)", gib(moe["moe_workspace_bytes"])),
+        ]
+    rows += [
         ("block size", f"{sizing.block_size} tokens, {sizing.kv_dtype}"),
         ("KV bytes per token", f"{sizing.bytes_per_token:,} B"),
         ("KV bytes per block", f"{sizing.bytes_per_block:,} B ({sizing.bytes_per_block / MIB:g} MiB)"),

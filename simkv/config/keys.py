@@ -23,6 +23,7 @@ SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "workload": Work
 TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
     "name": (str, False),
     "model": (str, False),
+    "weights_dtype": (str, False),     # bf16 | fp8 | int4 | mxfp4; default: the checkpoint's
     "gpu": (str, False),
     "cost_model": (str, False),
     "gpu_clock": (str, False),

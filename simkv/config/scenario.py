@@ -84,9 +84,12 @@ def _model_and_gpu(v: Validator, top: dict[str, Any], base_dir: Path) -> tuple:
     model_name = top["model"]
     try:
         model = load_model(resolve_path(model_name, base_dir) if looks_like_path(model_name)
-                           else model_name)
+                           else model_name, weights_dtype=top.get("weights_dtype"))
     except InputError as e:
-        v.fail("model", str(e))
+        text = str(e)
+        if text.startswith("weights_dtype: "):
+            v.fail("weights_dtype", text[len("weights_dtype: "):])
+        v.fail("model", text)
     try:
         gpu = load_gpu(top.get("gpu", "h200"))
     except InputError as e:
