@@ -36,6 +36,7 @@ COST_MODEL_TYPES: dict[str, tuple[type, bool]] = {
     "cost_model.source": (str, False),
     "cost_model.effects": (list, False),
     "cost_model.step_time_scale": (float, False),
+    "cost_model.expert_skew": (float, False),    # roofline: Zipf skew of MoE routing (0 uniform)
 }
 EFFECTS = ("clock", "shared_reads", "engine_host")   # the cost model's layers, in order
 FREE_FORM = "workload.synthetic"    # its contents belong to the workload generator

@@ -7,6 +7,7 @@ naming the file (or --set) and the dotted key. The core trusts a Scenario once i
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -40,6 +41,7 @@ class Scenario:
     gpu_clock: str = "auto"                     # auto: the profile's clock model, if any | fixed
     step_time_scale: float = 1.0                # multiplies every predicted step time
     effects: tuple = EFFECTS                    # the cost model's layers on the fitted forward
+    expert_skew: float = 0.0                    # roofline: MoE routing skew (0 = uniform)
     seed: int = 0
     semantics: str = rules.DEFAULT_SEMANTICS    # vllm-0.26 | vllm-0.18 (simkv.semantics)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -128,6 +130,18 @@ def _runtime_settings(v: Validator, top: dict[str, Any], raw: dict[str, Any],
     return gpu_clock, step_time_scale, cost_model, tuple(e for e in EFFECTS if e in effects)
 
 
+def _expert_skew(v: Validator, raw: dict[str, Any]) -> float:
+    """`cost_model.expert_skew`: a finite number >= 0 (the roofline's MoE routing skew)."""
+    settings = raw.get("cost_model")
+    if not isinstance(settings, dict) or settings.get("expert_skew") is None:
+        return 0.0
+    skew = v.typed("cost_model.expert_skew", settings["expert_skew"])
+    if not math.isfinite(skew) or skew < 0:
+        v.fail("cost_model.expert_skew", f"must be a finite number >= 0 (0 = uniform routing), "
+               f"got {skew!r}")
+    return float(skew)
+
+
 def load_scenario(
     path_or_dict: str | Path | dict[str, Any],
     overrides: Optional[dict[str, Any]] = None,
@@ -184,6 +198,7 @@ def load_scenario(
         gpu_clock=gpu_clock,
         step_time_scale=step_time_scale,
         effects=effects,
+        expert_skew=_expert_skew(v, raw),
         seed=top.get("seed", 0),
         semantics=semantics,
         cache=cache,
@@ -219,6 +234,7 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "gpu_clock": scn.gpu_clock,
         "step_time_scale": scn.step_time_scale,
         "effects": list(scn.effects),
+        "expert_skew": scn.expert_skew,
         "seed": scn.seed,
         "semantics": scn.semantics,
         "cache": asdict(scn.cache),

@@ -104,10 +104,13 @@ def _roofline(scenario):
     """The roofline model with the calibrated efficiencies when a calibration exists."""
     from simkv.specs import profiles_dir
     from simkv.costmodel.roofline import RooflineCostModel, load_calibration
+    from dataclasses import replace
+    from simkv.costmodel.roofline import RooflineParams
     calibration = load_calibration(scenario.gpu.name, profiles_dir())
+    params = calibration["params"] if calibration else RooflineParams()
+    params = replace(params, expert_skew=getattr(scenario, "expert_skew", 0.0))
     model = RooflineCostModel(scenario.model, scenario.gpu, scenario.cache.kv_dtype,
-                              scenario.cache.block_size,
-                              calibration["params"] if calibration else None)
+                              scenario.cache.block_size, params)
     if calibration:
         model.note = calibration["note"]
     return model

@@ -4,6 +4,14 @@ A step reads the weights once, reads every scheduled sequence's KV, writes the n
 and does 2 FLOPs per parameter per token plus the attention's query-key work. Linear layers cost
 the larger of their weight-read time and their FLOP time; attention is memory-bound for decodes
 and FLOP-bound for long prefills. A fixed per-step and per-sequence host overhead is added.
+
+A mixture-of-experts model's routed experts are a term of their own (`experts`): the step reads
+the experts its tokens are routed to, in expectation (simkv.costmodel.features.moe_step: uniform
+routing, or skewed by `expert_skew`), and does the FLOPs of top_k experts per token; the larger
+of the two is the term, and everything else (attention, shared experts, routers, embeddings,
+the LM head) stays in `linear`. Weights are the checkpoint's bytes (a quantized checkpoint reads
+less); fp8 weights run at the GPU's fp8 rate (activations quantized on the fly), weight-only
+formats (int4, mxfp4) at the bf16 rate. All experts are on the one GPU (no expert parallelism).
 The efficiency factors are calibrated on a profiled GPU (see `simkv fit`); until then they are
 defaults, and every result that uses this model says it is an estimate.
 """
@@ -14,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
+from simkv.costmodel.features import moe_step
 from simkv.costmodel.step_cost import TermModel
 
 
@@ -34,6 +43,9 @@ class RooflineParams:
     graph_overhead_s_per_layer: Optional[float] = None
     eager_overhead_s_per_layer: Optional[float] = None
     graph_max_batch: int = 256
+    # Mixture of experts: the router's imbalance, a Zipf exponent over expert popularity
+    # (0 = uniform routing; simkv.costmodel.features.expert_inclusion_probabilities).
+    expert_skew: float = 0.0
 
 
 def load_calibration(gpu_name: str, profiles: Path) -> Optional[dict]:
@@ -73,21 +85,29 @@ class RooflineCostModel(TermModel):
     note = "roofline estimate from specs with default efficiencies (no calibration found)"
 
     def __init__(self, model, gpu, kv_dtype: str = "bf16", block_size: int = 16,
-                 params: RooflineParams | None = None, weight_dtype_bytes: int = 2):
+                 params: RooflineParams | None = None):
         self.params = params or RooflineParams()
         p = self.params
+        self.model = model
         self.block_size = block_size
         self.kv_bytes_per_token = model.kv_bytes_per_token(kv_dtype)
         self.bytes_per_block = self.kv_bytes_per_token * block_size
-        self.weight_bytes = model.weight_bytes(weight_dtype_bytes)
+        self.weight_bytes = model.weight_bytes()
         # Every layer but the embedding table runs on every token; the LM head only on rows that
         # sample a token.
         self.flops_per_token, self.flops_per_sample, self.attn_flops_per_pair = \
             model.forward_flops()
         self.num_layers = model.num_layers
+        self.is_moe = model.experts is not None
+        if self.is_moe:       # the routed experts leave `linear` for a term of their own
+            self.term_names = self.term_names[:1] + ("experts",) + self.term_names[1:]
+            self.weight_bytes -= model.routed_expert_bytes()
+            e = model.experts
+            self.flops_per_token -= 2.0 * e.top_k * model.expert_params * e.num_moe_layers
         bw = gpu.hbm_bandwidth_bytes_per_s * p.bandwidth_efficiency
         self.seconds_per_byte = 1.0 / bw
-        self.seconds_per_flop = 1.0 / (gpu.bf16_flops_per_s * p.flops_efficiency)
+        compute = model.quantization.compute_dtype if model.quantization else "bf16"
+        self.seconds_per_flop = 1.0 / (gpu.flops_per_s(compute) * p.flops_efficiency)
         self.seconds_per_attn_flop = 1.0 / (gpu.bf16_flops_per_s * p.attention_flops_efficiency)
         self.seconds_per_host_byte = 1.0 / (gpu.host_link_bytes_per_s * p.host_link_efficiency)
 
@@ -117,7 +137,18 @@ class RooflineCostModel(TermModel):
             if plan.block_copies else 0.0
         swapped = len(plan.swap_out) + len(plan.swap_in)
         swaps = swapped * self.bytes_per_block * self.seconds_per_host_byte if swapped else 0.0
-        return (linear, kv, attention, overhead, per_seq, copies, swaps)
+        if not self.is_moe:
+            return (linear, kv, attention, overhead, per_seq, copies, swaps)
+        experts = 0.0
+        if tokens:
+            moe = self.moe(plan)
+            experts = max(moe.expert_bytes_read * self.seconds_per_byte,
+                          moe.expert_flops * self.seconds_per_flop)
+        return (linear, experts, kv, attention, overhead, per_seq, copies, swaps)
+
+    def moe(self, plan):
+        """The step's MoE features (simkv.costmodel.features.MoeStep) at this model's skew."""
+        return moe_step(plan, self.model, self.params.expert_skew)
 
     def describe(self) -> dict:
         return {"name": self.name, "estimate": True, "note": self.note,
