@@ -21,7 +21,8 @@ ALLOWED = {
     "_version": set(),
     "semantics": set(),
     "launch_policy": set(),
-    "specs": BASE,
+    "weights": set(),             # the tensors a checkpoint holds (simkv.specs builds on it)
+    "specs": BASE | {"weights"},
     "sizing": BASE | {"specs", "launch_policy"},
     "config": BASE | {"specs", "sizing"},
     "engine": BASE | {"specs", "sizing", "config", "launch_policy"},
