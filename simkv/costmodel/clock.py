@@ -228,12 +228,13 @@ class ClockedCostModel(TermModel):
 
     def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:
         """Seconds of a decode run's steps (CostModelExecutor.run_seconds): the profile's terms
-        in closed form (ProfiledCostModel.decode_run_values), the clock state stepped through
-        them as through single steps. `_clocked`, `full_clock`, `ClockState.idle` and
-        `.run_step` are inlined here, the same operations in the same order (the simulator
-        spends most of its steps here; tests/test_decode_run.py compares the bytes)."""
+        in closed form (ProfiledCostModel.decode_run_split, or decode_run_values for an eager
+        batch), the clock state stepped through them as through single steps. `_clocked`,
+        `full_clock`, `ClockState.idle` and `.run_step` are inlined here, the same operations
+        in the same order (the simulator spends most of its steps here;
+        tests/test_decode_run.py compares the bytes)."""
         out = []
-        steps = self.inner.decode_run_values(run, shared)
+        base, around, steps = self._run_terms(run, shared)
         n, fsum = run.n, math.fsum
         per_token, per_sample, per_pair = self.counts
         context0 = run.context_tokens - n
@@ -247,16 +248,12 @@ class ClockedCostModel(TermModel):
         window, down, up = state._decay_window, state._decay_down, state._decay_up
         settled_after = state._settled_after_s
         level, mhz, free_at = state.level, state.mhz, state.free_at_s
-        around = None
         for k in range(1, run.max_steps + 1):
             if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
                 break
-            forward_values, around_values = next(steps)
-            forward = fsum(forward_values)
-            if around is None:
-                around = fsum(around_values)      # the same terms in every step of a run
+            forward, terms = next(steps)
             if forward <= 0:
-                out.append(fsum(forward_values + around_values + ((scale - 1.0) * around, 0.0)))
+                out.append(fsum(base + terms + [(scale - 1.0) * around]))
                 now_s = now_s + out[-1]
                 continue
             flops = per_token * n + per_sample * n + per_pair * (context0 + n * k)
@@ -295,12 +292,31 @@ class ClockedCostModel(TermModel):
                 work -= rate * dt
                 clocked += dt
             free_at = now_s + clocked
-            seconds = fsum(forward_values + around_values
-                           + ((scale - 1.0) * (forward + around), clocked - forward * scale))
+            terms.append((scale - 1.0) * (forward + around))
+            terms.append(clocked - forward * scale)
+            seconds = fsum(base + terms)
             out.append(seconds)
             now_s = now_s + seconds
         state.level, state.mhz, state.free_at_s = level, mhz, free_at
         return out
+
+    def _run_terms(self, run, shared) -> tuple:
+        """(base, around, steps): the run's constant partials, its around terms' sum, and a
+        generator of (forward seconds, the step's other terms as a list) for steps 1, 2, ...:
+        fsum(base + terms) is the step's forward and around terms' sum."""
+        split = self.inner.decode_run_split(run, shared)
+        if split is not None:
+            forward_base, base, around, varying = split
+            fsum = math.fsum
+            return base, around, ((fsum(forward_base + terms), terms) for terms in varying)
+        values = self.inner.decode_run_values(run, shared)
+        forward_values, around_values = next(values)
+
+        def steps():
+            yield math.fsum(forward_values), list(forward_values + around_values)
+            for forward, _ in values:      # the same around terms in every step of a run
+                yield math.fsum(forward), list(forward + around_values)
+        return [], math.fsum(around_values), steps()
 
     def host_seconds(self, plan) -> float:
         return self.inner.host_seconds(plan) * self.scale

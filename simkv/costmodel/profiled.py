@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from simkv.costmodel.fit_file import BlockSizeNotProfiled, find_profile, read_fit
-from simkv.costmodel.step_cost import TermModel
+from simkv.costmodel.step_cost import TermModel, exact_partials
 from simkv.costmodel.step_formula import (LOG_BATCH_KNOTS, engine_host_seconds, hats,
                                           transfer_seconds)
 from simkv.errors import InputError, read_json_object
@@ -303,16 +303,66 @@ class ProfiledCostModel(TermModel):
                 yield values + (c_eager, max(0.0, floor)), around
             k += 1
 
+    def decode_run_split(self, run, shared):
+        """A graphed decode run's terms, split into what every step shares and what moves:
+        (forward partials, step partials, the around terms' sum, varying), where `varying`
+        yields each step's decode, saving and tail terms (those that are not always zero) from
+        step 1 on. `fsum(forward partials + varying terms)` is the step's `fsum(forward_values)`
+        and `fsum(step partials + varying terms)` its forward and around terms' sum, exactly
+        (exact_partials). None for an eager batch (its host floor moves with the sum)."""
+        n = run.n
+        if n > self._max_graph:
+            return None
+        rows = self._graph_rows[n]
+        linear = self._linear_cache.get(rows)
+        if linear is None:
+            linear = self._linear_cache[rows] = self._linear(rows)
+        constant = (linear, self._a_pf * 0, self._a_ctx * 0, self._c_seq * n)
+        around_values = self.around_values(run.plan)
+        return (exact_partials(constant), exact_partials(constant + around_values),
+                math.fsum(around_values), self._decode_run_varying(run, shared))
+
+    def _decode_run_varying(self, run, shared):
+        """decode_run_split's varying terms, step by step (as decode_run_values has them)."""
+        n = run.n
+        per_token = self.decode_token_seconds(n)
+        first_share, further_share = self._shared_saving_first, self._shared_saving_further
+        a_long = self._a_long
+        tails = self.layout.decode_run_tail(run.starts, True, self.block_size) if a_long \
+            else None
+        context, k = run.context_tokens - n, 1
+        while True:
+            terms = [per_token * (context + n * k)]
+            if shared is not None:
+                repeats, first = shared(k)
+                if repeats:
+                    terms.append(-per_token * (first_share * first
+                                               + further_share * (repeats - first)))
+            if tails is not None:
+                terms.append(a_long * next(tails))
+            yield terms
+            k += 1
+
     def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:
         """Seconds of a decode run's steps (CostModelExecutor.run_seconds), in closed form."""
         out = []
-        steps = self.decode_run_values(run, shared)
         fsum = math.fsum
+        split = self.decode_run_split(run, shared)
+        if split is None:
+            steps = self.decode_run_values(run, shared)
+            for k in range(1, run.max_steps + 1):
+                if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
+                    break
+                forward, around = next(steps)
+                seconds = fsum(forward + around)
+                out.append(seconds)
+                now_s = now_s + seconds
+            return out
+        _, constant, _, varying = split
         for k in range(1, run.max_steps + 1):
-            if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
+            if k > 1 and now_s >= horizon_s:
                 break
-            forward, around = next(steps)
-            seconds = fsum(forward + around)
+            seconds = fsum(constant + next(varying))
             out.append(seconds)
             now_s = now_s + seconds
         return out

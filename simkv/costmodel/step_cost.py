@@ -22,6 +22,27 @@ class StepCost:
         return math.fsum(self.terms.values())
 
 
+def exact_partials(values) -> list:
+    """Floats whose exact sum is the exact sum of `values` (Shewchuk's partials, as `math.fsum`
+    keeps them): `fsum(exact_partials(c) + v) == fsum(c + v)` for any floats `v`, because
+    fsum rounds the exact sum once. A sum with constant terms takes them as their (fewer)
+    partials, once, instead of every time."""
+    partials: list = []
+    for x in values:
+        i = 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                partials[i] = lo
+                i += 1
+            x = hi
+        partials[i:] = [x]
+    return partials
+
+
 class TermModel:
     """A cost model from `term_names` (a tuple) and `term_values(plan)` (a tuple, same order)."""
 

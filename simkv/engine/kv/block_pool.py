@@ -1,8 +1,9 @@
 """The block pool: block ids, reference counts, the LRU free queue and the hash index.
 
 Freed blocks that hold a cached hash stay in the free queue and stay hittable until the queue
-hands them out again (lazy eviction). The queue is an OrderedDict used as an O(1) LRU list:
-new blocks are taken from the front, freed blocks are appended at the back.
+hands them out again (lazy eviction). The queue (FreeQueue) is an O(1) LRU list: new blocks are
+taken from the front, freed blocks are appended at the back, and a free block that a prefix hit
+takes back leaves it from wherever it stands.
 
 The index may hold several blocks under one hash (duplicate blocks, as vLLM's
 BlockHashToBlockMap in vllm/v1/core/block_pool.py does: two requests that computed the same
@@ -14,7 +15,80 @@ the KV manager indexes duplicates, so the common path never looks at it. Removin
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+
+
+class FreeQueue:
+    """The free blocks, oldest freed first: a list read from a head index, so that taking n
+    blocks from the front is one slice.
+
+    `pos[block]` is the index of the block's entry while it is queued. A block taken back from
+    the middle (`remove`) leaves a dead entry behind (its `pos` no longer points there), which
+    the front skips when it reaches it; a block freed again is appended anew. The list is
+    compacted when the consumed part outgrows what is queued."""
+
+    COMPACT_AT = 4096
+
+    def __init__(self, blocks):
+        self.q = list(blocks)
+        self.head = 0
+        self.pos = list(range(len(self.q)))    # block ids 0..n-1 in order, at start
+        self.size = len(self.q)
+        self.dead = 0                # dead entries at or after head
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, block) -> bool:
+        p, q = self.pos[block], self.q
+        return self.head <= p < len(q) and q[p] == block
+
+    def __iter__(self):
+        q, pos = self.q, self.pos
+        return (b for i, b in enumerate(q[self.head:], self.head) if pos[b] == i)
+
+    def pop_front(self, count: int) -> list:
+        """Take the `count` oldest blocks (the caller checked there are that many)."""
+        head = self.head
+        end = head + count
+        if self.dead:
+            q, pos = self.q, self.pos
+            blocks = []
+            i = head
+            while len(blocks) < count:
+                b = q[i]
+                if pos[b] == i:
+                    blocks.append(b)
+                else:
+                    self.dead -= 1
+                i += 1
+            end = i
+        else:
+            blocks = self.q[head:end]
+        self.head = end
+        self.size -= count
+        if end >= self.COMPACT_AT and end > 2 * self.size:
+            self._compact()
+        return blocks
+
+    def remove(self, block) -> None:
+        """Take a queued block out from wherever it stands."""
+        self.pos[block] = -1
+        self.dead += 1
+        self.size -= 1
+
+    def append(self, block) -> None:
+        q = self.q
+        self.pos[block] = len(q)
+        q.append(block)
+        self.size += 1
+
+    def _compact(self) -> None:
+        live = list(self)
+        self.q = live
+        self.head = self.dead = 0
+        pos = self.pos
+        for i, b in enumerate(live):
+            pos[b] = i
 
 
 class BlockPool:
@@ -22,7 +96,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list = [None] * num_blocks
-        self.free_queue: OrderedDict = OrderedDict.fromkeys(range(num_blocks))
+        self.free_queue = FreeQueue(range(num_blocks))
         self.cached: dict = {}            # hash -> the oldest block indexed under it
         self.duplicates: dict = {}        # hash -> [later blocks under it, oldest first]
         self.num_cached_free = 0          # free blocks that still hold a hash
@@ -37,8 +111,7 @@ class BlockPool:
 
     def take(self, count: int) -> list:
         """Pop `count` blocks from the front of the free queue (caller checked there are enough)."""
-        popitem = self.free_queue.popitem
-        blocks = [popitem(False)[0] for _ in range(count)]
+        blocks = self.free_queue.pop_front(count)
         ref_cnt, block_hash = self.ref_cnt, self.block_hash
         if self.num_cached_free:
             cached, duplicates, evicted = self.cached, self.duplicates, 0
@@ -63,7 +136,7 @@ class BlockPool:
         ref_cnt = self.ref_cnt
         for block in blocks:
             if ref_cnt[block] == 0:
-                del self.free_queue[block]
+                self.free_queue.remove(block)
                 self.num_cached_free -= 1
             else:
                 self.num_shared_refs += 1
@@ -73,8 +146,10 @@ class BlockPool:
 
     def release(self, blocks_in_eviction_order) -> None:
         """Drop one reference on each block; those that reach zero join the back of the queue."""
-        ref_cnt, free_queue, block_hash = self.ref_cnt, self.free_queue, self.block_hash
-        shared_refs = shared_blocks = cached_free = 0
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        queue = self.free_queue
+        q, pos = queue.q, queue.pos
+        shared_refs = shared_blocks = cached_free = freed = 0
         for block in blocks_in_eviction_order:
             refs = ref_cnt[block] - 1
             ref_cnt[block] = refs
@@ -82,10 +157,13 @@ class BlockPool:
                 shared_refs += 1
                 if refs == 1:
                     shared_blocks += 1
-            elif refs == 0:
-                free_queue[block] = None
+            elif refs == 0:       # queue.append, inlined
+                pos[block] = len(q)
+                q.append(block)
+                freed += 1
                 if block_hash[block] is not None:
                     cached_free += 1
+        queue.size += freed
         self.num_shared_refs -= shared_refs
         self.num_shared_blocks -= shared_blocks
         self.num_cached_free += cached_free

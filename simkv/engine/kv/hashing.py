@@ -8,7 +8,12 @@ Token identity comes from real token ids (engine) or, in simulation, from the tr
 a trace gives one chained id per `prefix_block_tokens` tokens, so equal ids at position k mean the
 whole prompt up to the end of that trace block is equal. A simulator block is then identified by
 the trace id covering its last token and that token's position. Tokens with no shared identity
-(the rest of a prompt, sampled tokens) get keys unique to the request (and sample).
+(the rest of a prompt, sampled tokens) get keys unique to the request (and sample). Such a
+block's hash is the chain's root and its key without the marker, a tuple (root, request id,
+block index[, sample]): only the same request's block under the same root (a later turn of the
+same tenant and adapter) equals it, and that block's predecessors are equal too, so chaining it
+to them adds nothing; a tuple never equals a chained (integer) hash. A run of them is made in
+one go.
 
 Turns (`Request.parent`): a prompt that continues an earlier request is its prompt, its output
 (sample 0's) and new tokens, so a block that lies wholly inside the earlier request's prompt +
@@ -23,6 +28,8 @@ item are keyed as if there were none, so text before an image is shared across i
 `Request.mm_key`, when set, is one identity for the whole request and goes into the root.
 """
 from __future__ import annotations
+
+from itertools import repeat
 
 from simkv.engine.request import Request, Sequence, stable_key
 
@@ -64,6 +71,15 @@ def simulated_block_key(req: Request, i: int, sample: int, block_size: int):
     return key
 
 
+def simulated_block_hash(root, parent, key):
+    """The hash of a simulator block with key `key` after a block hashed `parent` in a chain
+    from `root`: chained, or for a key unique to its request the root and the key less its
+    marker (module docstring)."""
+    if key[0] == _UNIQUE:
+        return (root,) + key[1:]
+    return hash((parent, key))
+
+
 def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) -> list:
     """Grow `seq.block_hashes` to cover its first `num_full_blocks` full blocks; returns the list."""
     hashes = seq.block_hashes
@@ -75,28 +91,35 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
     tokens = seq.token_ids
     prompt = req.prompt_tokens
     append = hashes.append
+    root = req.hash_root
     if tokens is None and (req.parent is not None or req.mm_spans):
         sample = seq.sample
         while i < num_full_blocks:
-            parent = hash((parent, simulated_block_key(req, i, sample, block_size)))
+            parent = simulated_block_hash(root, parent,
+                                          simulated_block_key(req, i, sample, block_size))
             append(parent)
             i += 1
         return hashes
     ids = req.prefix_ids
     pbt = req.prefix_block_tokens
     if tokens is None:              # the simulator: simulated_block_key, written out for speed
-        rid, sample = req.request_id, seq.sample
-        while i < num_full_blocks:
-            last = (i + 1) * block_size - 1
-            if last < prompt and ids is not None and last // pbt < len(ids):
-                key = (ids[last // pbt], last)
-            elif last < prompt:
-                key = (_UNIQUE, rid, i)
-            else:
-                key = (_UNIQUE, rid, i, sample)
-            parent = hash((parent, key))
-            append(parent)
-            i += 1
+        prompt_blocks = prompt // block_size          # blocks wholly inside the prompt
+        if ids is not None:         # the shared blocks first: those the trace's ids cover
+            shared = min(num_full_blocks, prompt_blocks, len(ids) * pbt // block_size)
+            while i < shared:
+                last = (i + 1) * block_size - 1
+                parent = hash((parent, (ids[last // pbt], last)))
+                append(parent)
+                i += 1
+        rid = req.request_id
+        if i < num_full_blocks and i < prompt_blocks:          # the prompt's own blocks
+            end = min(num_full_blocks, prompt_blocks)
+            hashes.extend(zip(repeat(root, end - i), repeat(rid, end - i), range(i, end)))
+            i = end
+        if i < num_full_blocks:                                  # the sample's own blocks
+            count = num_full_blocks - i
+            hashes.extend(zip(repeat(root, count), repeat(rid, count), range(i, num_full_blocks),
+                              repeat(seq.sample, count)))
         return hashes
     mm_spans = req.mm_spans
     while i < num_full_blocks:
