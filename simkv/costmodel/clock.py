@@ -234,7 +234,7 @@ class ClockedCostModel(TermModel):
         in the same order (the simulator spends most of its steps here;
         tests/test_decode_run.py compares the bytes)."""
         out = []
-        base, around, steps = self._run_terms(run, shared)
+        base, forward_base, around, steps = self._run_terms(run, shared)
         n, fsum = run.n, math.fsum
         per_token, per_sample, per_pair = self.counts
         context0 = run.context_tokens - n
@@ -243,15 +243,20 @@ class ClockedCostModel(TermModel):
         top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
                                                     c.mhz_per_tflops, c.sensitivity)
         state = self.state
-        decays = state.decays
         dt = state.SLICE_S
         window, down, up = state._decay_window, state._decay_down, state._decay_up
+        tau_window, tau_down, tau_up = c.tau_window_s, c.tau_down_s, c.tau_up_s
+        exp = math.exp
         settled_after = state._settled_after_s
         level, mhz, free_at = state.level, state.mhz, state.free_at_s
         for k in range(1, run.max_steps + 1):
             if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
                 break
-            forward, terms = next(steps)
+            if forward_base is None:
+                forward, terms = next(steps)
+            else:
+                terms = next(steps)
+                forward = fsum(forward_base + terms)
             if forward <= 0:
                 out.append(fsum(base + terms + [(scale - 1.0) * around]))
                 now_s = now_s + out[-1]
@@ -273,18 +278,20 @@ class ClockedCostModel(TermModel):
                         level = top + (level - top) * window
                         mhz = level + (mhz - level) * (down if level < mhz else up)
                         gap -= dt
-                    if gap > 0:
-                        w, d, u = decays(gap)
-                        level = top + (level - top) * w
-                        mhz = level + (mhz - level) * (d if level < mhz else u)
+                    if gap > 0:     # ClockState.decays(gap): the one decay it takes
+                        level = top + (level - top) * (exp(-gap / tau_window) if tau_window
+                                                       else 0.0)
+                        mhz = level + (mhz - level) * (exp(-gap / tau_down) if level < mhz
+                                                       else exp(-gap / tau_up))
             work, clocked = full * scale, 0.0       # ClockState.run_step
             while work > 0:
                 rate = 1.0 / (1.0 + sensitivity * (top / mhz - 1.0))
                 if work <= rate * dt:
-                    piece = work / rate
-                    w, d, u = decays(piece)
-                    level = settling + (level - settling) * w
-                    mhz = level + (mhz - level) * (d if level < mhz else u)
+                    piece = work / rate                 # ClockState.decays(piece), likewise
+                    level = settling + (level - settling) * (exp(-piece / tau_window)
+                                                             if tau_window else 0.0)
+                    mhz = level + (mhz - level) * (exp(-piece / tau_down) if level < mhz
+                                                   else exp(-piece / tau_up))
                     clocked += piece
                     break
                 level = settling + (level - settling) * window
@@ -301,14 +308,15 @@ class ClockedCostModel(TermModel):
         return out
 
     def _run_terms(self, run, shared) -> tuple:
-        """(base, around, steps): the run's constant partials, its around terms' sum, and a
-        generator of (forward seconds, the step's other terms as a list) for steps 1, 2, ...:
-        fsum(base + terms) is the step's forward and around terms' sum."""
+        """(base, forward base, around, steps): the run's constant partials, those of its
+        forward terms, its around terms' sum, and a generator of each step's other terms (as
+        a list) for steps 1, 2, ...: fsum(base + terms) is the step's forward and around
+        terms' sum, fsum(forward base + terms) its forward pass. An eager batch has no forward
+        base: its steps come as (forward seconds, every term)."""
         split = self.inner.decode_run_split(run, shared)
         if split is not None:
             forward_base, base, around, varying = split
-            fsum = math.fsum
-            return base, around, ((fsum(forward_base + terms), terms) for terms in varying)
+            return base, forward_base, around, varying
         values = self.inner.decode_run_values(run, shared)
         forward_values, around_values = next(values)
 
@@ -316,7 +324,7 @@ class ClockedCostModel(TermModel):
             yield math.fsum(forward_values), list(forward_values + around_values)
             for forward, _ in values:      # the same around terms in every step of a run
                 yield math.fsum(forward), list(forward + around_values)
-        return [], math.fsum(around_values), steps()
+        return [], None, math.fsum(around_values), steps()
 
     def host_seconds(self, plan) -> float:
         return self.inner.host_seconds(plan) * self.scale

@@ -44,6 +44,11 @@ class MetricsRecorder:
         self.blocks_per_seq_hist = [0] * 64
         self.num_steps = 0
         self._observed = None
+        # decode runs' rows, kept per run and laid out among the single steps' rows by
+        # steps_frame: where each run starts among the single rows, its length, its constant
+        # columns, and its steps' start times, durations and blocks in use, run after run
+        self._run_at, self._run_m, self._run_n, self._run_waiting = [], [], [], []
+        self._run_starts, self._run_durations, self._run_used = [], [], []
 
     def observe(self, plan, scheduler) -> None:
         """Look at the KV state as the step runs (call right after `schedule`): blocks in use,
@@ -107,18 +112,14 @@ class MetricsRecorder:
         table_steps[length] sequence-steps at each length. The same rows and sums as
         observing and recording each step."""
         m = len(durations)
-        cols = self.cols
-        first = self.num_steps + 1
         self.num_steps += m
-        cols["step"].extend(array("d", range(first, first + m)))
-        cols["start_s"].extend(array("d", ends[:m]))
-        cols["duration_s"].extend(array("d", durations))
-        for name, value in (("num_prefill_tokens", 0), ("num_decode_tokens", n),
-                            ("num_running", n), ("num_waiting", plan.num_waiting),
-                            ("preempted", 0)):
-            cols[name].extend(array("d", (value,)) * m)
-        cols["kv_blocks_used"].extend(array("d", used_rows))
-        cols["kv_blocks_free"].extend(array("d", [self.num_blocks - u for u in used_rows]))
+        self._run_at.append(len(self.cols["step"]))
+        self._run_m.append(m)
+        self._run_n.append(n)
+        self._run_waiting.append(plan.num_waiting)
+        self._run_starts.extend(ends[:m])
+        self._run_durations.extend(durations)
+        self._run_used.extend(used_rows)
         busy, used_s, frag, running_s = self.busy_s, self.used_block_s, self.frag_s, \
             self.running_seq_s
         scale = self.block_size
@@ -145,12 +146,47 @@ class MetricsRecorder:
             hist[length] += count
 
     def steps_frame(self) -> pd.DataFrame:
-        df = pd.DataFrame({name: np.frombuffer(col, dtype=np.float64) if len(col) else
-                           np.zeros(0) for name, col in self.cols.items()})
+        """The step rows in step order: the single steps' and the decode runs' (each run's rows
+        where it was recorded among the single ones)."""
+        singles = {name: np.frombuffer(col, dtype=np.float64) if len(col) else np.zeros(0)
+                   for name, col in self.cols.items()}
+        if self._run_m:
+            singles = self._with_runs(singles)
+        df = pd.DataFrame(singles)
         for name in STEP_COLUMNS:
             if name not in ("start_s", "duration_s"):
                 df[name] = df[name].astype(np.int64)
         return df
+
+    def _with_runs(self, singles: dict) -> dict:
+        m = np.array(self._run_m, dtype=np.int64)
+        at = np.array(self._run_at, dtype=np.int64)
+        num_single = len(singles["step"])
+        ends = np.concatenate(([0], np.cumsum(m)))            # run rows before run r: ends[r]
+        total = num_single + int(ends[-1])
+        # a run recorded after `at` single rows comes right after them; a single row is moved
+        # down by the rows of every run recorded before it
+        run_rows = np.repeat(at, m) + np.arange(int(ends[-1]))
+        single_rows = np.arange(num_single) + ends[np.searchsorted(at, np.arange(num_single),
+                                                                    side="right")]
+        used = np.array(self._run_used, dtype=np.float64)
+        runs = {"step": run_rows + 1.0,
+                "start_s": np.array(self._run_starts, dtype=np.float64),
+                "duration_s": np.array(self._run_durations, dtype=np.float64),
+                "num_prefill_tokens": np.zeros(len(used)),
+                "num_decode_tokens": np.repeat(np.array(self._run_n, dtype=np.float64), m),
+                "num_running": np.repeat(np.array(self._run_n, dtype=np.float64), m),
+                "num_waiting": np.repeat(np.array(self._run_waiting, dtype=np.float64), m),
+                "kv_blocks_used": used,
+                "kv_blocks_free": self.num_blocks - used,
+                "preempted": np.zeros(len(used))}
+        out = {}
+        for name, col in singles.items():
+            column = np.empty(total)
+            column[single_rows] = col
+            column[run_rows] = runs[name]
+            out[name] = column
+        return out
 
 
 def requests_frame(requests) -> pd.DataFrame:

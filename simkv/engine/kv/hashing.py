@@ -116,8 +116,10 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
             end = min(num_full_blocks, prompt_blocks)
             hashes.extend(zip(repeat(root, end - i), repeat(rid, end - i), range(i, end)))
             i = end
-        if i < num_full_blocks:                                  # the sample's own blocks
-            count = num_full_blocks - i
+        count = num_full_blocks - i
+        if count == 1:                  # a decode fills its block: the common call
+            append((root, rid, i, seq.sample))
+        elif count > 1:                                          # the sample's own blocks
             hashes.extend(zip(repeat(root, count), repeat(rid, count), range(i, num_full_blocks),
                               repeat(seq.sample, count)))
         return hashes
