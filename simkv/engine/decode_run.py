@@ -132,10 +132,8 @@ class DecodeRun:
                 seq.last_token_s = ends[m - 1]
         scheduler.step_id += m - 1
         # step m as the scheduler finishes any step (it may finish sequences); finish_step
-        # reads the plan's items only
-        last = self.plan if m == 1 else StepPlan(plan.step + m - 1, ends[m - 1], [
-            ScheduledSeq(seq, c + m - 1, 1, True) for seq, c in zip(seqs, starts)])
-        scheduler.finish_step(last, None, ends[m])
+        # reads the plan's items' sequences and token counts only, which are step 1's
+        scheduler.finish_step(plan, None, ends[m])
 
     def _table_steps(self, tables: list, m: int) -> dict:
         """Block-table length -> sequence-steps spent at it over steps 1..m (a table grows by a
