@@ -53,6 +53,7 @@ model: llama-3.1-8b
 gpu: h200
 cost_model: auto
 cache: {{block_size: 16}}
+scheduler: {{max_num_seqs: 256, max_num_batched_tokens: 8192}}
 workload: {{trace: {TRACE}}}
 """
 COMPONENTS = [("scheduler", "simkv/engine/scheduler.py"), ("kv manager", "simkv/engine/kv/"),
@@ -90,7 +91,7 @@ SAME_WORK = {"semantics": "vllm-0.18"}
 def _same_work(checkout: Path) -> list:
     """The `--set` arguments that make `checkout` follow semantics vllm-0.18 (none before the
     key existed: those commits had only those rules)."""
-    if (checkout / "simkv" / "config" / "semantics.py").is_file():
+    if (checkout / "simkv" / "semantics.py").is_file():
         return ["--set", "semantics=vllm-0.18"]
     return []
 
