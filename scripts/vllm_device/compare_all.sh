@@ -26,4 +26,4 @@ for run in "${runs[@]}"; do
             --out $V/compare/vllm-profile/$name-$k.json
     fi
 done
-python scripts/vllm_device/table.py $V/compare --runs run1,run2   # the pairs docs/validation.md judges
+python scripts/vllm_device/table.py $V/compare --runs run3,run4   # the pairs docs/validation.md judges (the driver with gc.freeze; run1,run2: the earlier pairs)

@@ -8,7 +8,8 @@ Per scenario and comparison ((a) bundled: the H200 profile as is; (b) calibrated
 scaled to vLLM's saturated run), simkv's error per metric judged on the mean of the runs:
 mean(simulated) / mean(measured) - 1 over the scenario's runs (one run: that run's error),
 with num_blocks against vLLM's own count (`vllm_num_gpu_blocks`, its null block included);
-then vLLM's spread between its runs, |run 2 - run 1| / their mean; then the issue's aims.
+then vLLM's spread between its (first two) runs, |second - first| / their mean; then the
+issue's aims. `--runs run3,run4` picks the runs (the driver with gc.freeze: runs 3 and 4).
 Then, per scenario, the median period of vLLM's decode-only steps by batch size beside simkv's
 engine serving the same requests (profiles/h200/llama-3.1-8b/validation/<name>/).
 """
@@ -120,8 +121,15 @@ def decode_periods(steps: pd.DataFrame) -> pd.Series:
     return (period[keep] * 1e3).groupby(bins, observed=True).median()
 
 
+def run_label(result: dict) -> str:
+    """'run 3' for a comparison of profiles/.../<name>/run3."""
+    return "run " + Path(result["measured_dir"]).name.removeprefix("run")
+
+
 def step_table(results: dict) -> list:
-    lines = ["| scenario | decodes per step | steps (vLLM run 1) | vLLM median period ms | "
+    firsts = sorted({run_label(runs[0]) for runs in results["bundled"].values()})
+    lines = [f"| scenario | decodes per step | steps (vLLM {' / '.join(firsts)}) | "
+             "vLLM median period ms | "
              "simkv's engine median period ms | vLLM / simkv's engine |",
              "|---|---|---|---|---|---|"]
     for name in ORDER:
@@ -238,7 +246,8 @@ def main(folder: str, runs=None) -> int:
             print(f"| {name} | {len(runs)} | {load:.2f} | {LABEL[p]} | {scale} | "
                   + " | ".join(cells) + f" | {pct(err['num_blocks'], 0.02)} | {ok} |")
         if any(v is not None for v in spr.values()):
-            print(f"| {name} | 2 | | vLLM run 2 against run 1 | | "
+            first, second = (run_label(r) for r in results["bundled"][name][:2])
+            print(f"| {name} | 2 | | vLLM {second} against {first} | | "
                   + " | ".join("–" if spr[k] is None else f"{spr[k] * 100:.1f}%"
                                for k in METRICS) + " | 0 | |")
     print()
