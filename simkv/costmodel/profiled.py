@@ -174,6 +174,7 @@ class ProfiledCostModel(TermModel):
         self._max_graph = self.graph_batch_sizes[-1] if self.graph_batch_sizes else 0
         self._linear_cache: dict = {}      # rows -> T_lin(rows); the simulator asks every step
         self._a_dec_cache: dict = {}       # decode batch -> a_dec(batch)
+        self._run_constants: dict = {}     # (batch, around terms) -> decode_run_split's sums
         self._graph_rows = [next((b for b in self.graph_batch_sizes if b >= n), n)
                             for n in range(self._max_graph + 1)]
 
@@ -313,14 +314,19 @@ class ProfiledCostModel(TermModel):
         n = run.n
         if n > self._max_graph:
             return None
-        rows = self._graph_rows[n]
-        linear = self._linear_cache.get(rows)
-        if linear is None:
-            linear = self._linear_cache[rows] = self._linear(rows)
-        constant = (linear, self._a_pf * 0, self._a_ctx * 0, self._c_seq * n)
         around_values = self.around_values(run.plan)
-        return (exact_partials(constant), exact_partials(constant + around_values),
-                math.fsum(around_values), self._decode_run_varying(run, shared))
+        sums = self._run_constants.get((n, around_values))
+        if sums is None:
+            rows = self._graph_rows[n]
+            linear = self._linear_cache.get(rows)
+            if linear is None:
+                linear = self._linear_cache[rows] = self._linear(rows)
+            constant = (linear, self._a_pf * 0, self._a_ctx * 0, self._c_seq * n)
+            sums = self._run_constants[(n, around_values)] = (
+                exact_partials(constant), exact_partials(constant + around_values),
+                math.fsum(around_values))
+        forward, step, around = sums
+        return list(forward), list(step), around, self._decode_run_varying(run, shared)
 
     def _decode_run_varying(self, run, shared):
         """decode_run_split's varying terms, step by step (as decode_run_values has them)."""

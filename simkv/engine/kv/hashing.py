@@ -9,11 +9,11 @@ a trace gives one chained id per `prefix_block_tokens` tokens, so equal ids at p
 whole prompt up to the end of that trace block is equal. A simulator block is then identified by
 the trace id covering its last token and that token's position. Tokens with no shared identity
 (the rest of a prompt, sampled tokens) get keys unique to the request (and sample). Such a
-block's hash is the chain's root and its key without the marker, a tuple (root, request id,
-block index[, sample]): only the same request's block under the same root (a later turn of the
-same tenant and adapter) equals it, and that block's predecessors are equal too, so chaining it
-to them adds nothing; a tuple never equals a chained (integer) hash. A run of them is made in
-one go.
+block's hash is not chained: only the same request's block under the same root (a later turn
+of the same tenant and adapter) can equal it, and that block's predecessors are equal too, so
+chaining adds nothing. It is the integer -(2**64 * (i + 1) + h), with h a 64-bit hash of
+(root, request id, sample or none), below every chained (64-bit) hash; a run of a sequence's
+own blocks is one `range`.
 
 Turns (`Request.parent`): a prompt that continues an earlier request is its prompt, its output
 (sample 0's) and new tokens, so a block that lies wholly inside the earlier request's prompt +
@@ -28,8 +28,6 @@ item are keyed as if there were none, so text before an image is shared across i
 `Request.mm_key`, when set, is one identity for the whole request and goes into the root.
 """
 from __future__ import annotations
-
-from itertools import repeat
 
 from simkv.engine.request import Request, Sequence, stable_key
 
@@ -71,12 +69,23 @@ def simulated_block_key(req: Request, i: int, sample: int, block_size: int):
     return key
 
 
+_BLOCK_STRIDE = 1 << 64         # unique hashes: -(stride * (i + 1) + h), h in [0, stride)
+
+
+def unique_hashes(root: int, request_id: int, sample, start: int, stop: int) -> range:
+    """The hashes of blocks start..stop-1 of a request's own tokens (sample None: its prompt's)
+    under `root` (module docstring)."""
+    h = hash((root, request_id, sample)) & (_BLOCK_STRIDE - 1)
+    return range(-(_BLOCK_STRIDE * (start + 1) + h), -(_BLOCK_STRIDE * (stop + 1) + h),
+                 -_BLOCK_STRIDE)
+
+
 def simulated_block_hash(root, parent, key):
     """The hash of a simulator block with key `key` after a block hashed `parent` in a chain
-    from `root`: chained, or for a key unique to its request the root and the key less its
-    marker (module docstring)."""
+    from `root`: chained, or for a key unique to its request not chained (module docstring)."""
     if key[0] == _UNIQUE:
-        return (root,) + key[1:]
+        i = key[2]
+        return unique_hashes(root, key[1], key[3] if len(key) > 3 else None, i, i + 1)[0]
     return hash((parent, key))
 
 
@@ -114,14 +123,10 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
         rid = req.request_id
         if i < num_full_blocks and i < prompt_blocks:          # the prompt's own blocks
             end = min(num_full_blocks, prompt_blocks)
-            hashes.extend(zip(repeat(root, end - i), repeat(rid, end - i), range(i, end)))
+            hashes.extend(unique_hashes(root, rid, None, i, end))
             i = end
-        count = num_full_blocks - i
-        if count == 1:                  # a decode fills its block: the common call
-            append((root, rid, i, seq.sample))
-        elif count > 1:                                          # the sample's own blocks
-            hashes.extend(zip(repeat(root, count), repeat(rid, count), range(i, num_full_blocks),
-                              repeat(seq.sample, count)))
+        if i < num_full_blocks:                                  # the sample's own blocks
+            hashes.extend(unique_hashes(root, rid, seq.sample, i, num_full_blocks))
         return hashes
     mm_spans = req.mm_spans
     while i < num_full_blocks:
