@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 
 class InputError(Exception):
     """Bad input: the CLI prints `error: <message>` and exits 2.
@@ -26,4 +28,19 @@ def read_json_object(path, missing: str) -> dict:
         raise InputError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_yaml_mapping(path, what: str) -> dict:
+    """The mapping in a bundled YAML file (`what`: of what to what, for the message);
+    InputError naming the file when it is missing, not YAML, or not a mapping."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found (set SIMKV_PROFILES?)") from None
+    except yaml.YAMLError as e:
+        raise InputError(f"{path}: bad YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping of {what}")
     return data

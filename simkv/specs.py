@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
-from simkv.errors import InputError, read_json_object
+from simkv.errors import InputError, read_json_object, read_yaml_mapping
 from simkv.weights import Experts, Quantization, Shape, layout, tensor_bytes
 
 DENSE_ARCHITECTURES = (
@@ -505,16 +504,7 @@ _GPU_FIGURES = (
 
 
 def _read_gpus() -> dict[str, Any]:
-    path = profiles_dir() / "gpus.yaml"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: GPU specs file not found (set SIMKV_PROFILES?)") from None
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: bad YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a mapping of GPU name to specs")
-    return data
+    return read_yaml_mapping(profiles_dir() / "gpus.yaml", "GPU name to specs")
 
 
 def bundled_gpus() -> list[str]:

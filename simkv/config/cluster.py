@@ -21,10 +21,8 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-import yaml
-
 from simkv.config.keys import LINK_TYPES, POOL_SECTIONS, POOL_TYPES, ROUTER_TYPES, check_key
-from simkv.errors import InputError
+from simkv.errors import InputError, read_yaml_mapping
 from simkv.specs import profiles_dir
 
 ROLES = ("mixed", "prefill", "decode")
@@ -87,16 +85,7 @@ class ClusterConfig:
 
 def read_links() -> dict:
     """`profiles/links.yaml` as a mapping of link name to its entry."""
-    path = profiles_dir() / "links.yaml"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: links file not found (set SIMKV_PROFILES?)") from None
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: bad YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a mapping of link name to figures")
-    return data
+    return read_yaml_mapping(profiles_dir() / "links.yaml", "link name to figures")
 
 
 def load_link(name: str) -> LinkConfig:
