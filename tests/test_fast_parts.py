@@ -38,7 +38,7 @@ def test_partials_keep_what_a_plain_sum_loses():
                           st.integers(1, 40)), max_size=300))
 def test_the_free_queue_keeps_the_order_of_an_lru_list(ops):
     n = 64
-    queue, model = FreeQueue(range(n)), OrderedDict.fromkeys(range(n))
+    queue, model = FreeQueue(n), OrderedDict.fromkeys(range(n))
     queue.COMPACT_AT = 8                       # compact often
     held = []                                  # blocks out of the queue, oldest first
     for op, k in ops:

@@ -310,7 +310,9 @@ class ProfiledCostModel(TermModel):
         yields each step's decode, saving and tail terms (those that are not always zero) from
         step 1 on. `fsum(forward partials + varying terms)` is the step's `fsum(forward_values)`
         and `fsum(step partials + varying terms)` its forward and around terms' sum, exactly
-        (exact_partials). None for an eager batch (its host floor moves with the sum)."""
+        (exact_partials). The partials are kept per batch and around terms and shared between
+        runs: callers add to copies, never to them. None for an eager batch (its host floor
+        moves with the sum)."""
         n = run.n
         if n > self._max_graph:
             return None
@@ -325,8 +327,7 @@ class ProfiledCostModel(TermModel):
             sums = self._run_constants[(n, around_values)] = (
                 exact_partials(constant), exact_partials(constant + around_values),
                 math.fsum(around_values))
-        forward, step, around = sums
-        return list(forward), list(step), around, self._decode_run_varying(run, shared)
+        return sums + (self._decode_run_varying(run, shared),)
 
     def _decode_run_varying(self, run, shared):
         """decode_run_split's varying terms, step by step (as decode_run_values has them)."""
@@ -351,24 +352,19 @@ class ProfiledCostModel(TermModel):
 
     def decode_run_seconds(self, run, shared, now_s: float, horizon_s: float) -> list:
         """Seconds of a decode run's steps (CostModelExecutor.run_seconds), in closed form."""
-        out = []
         fsum = math.fsum
         split = self.decode_run_split(run, shared)
         if split is None:
-            steps = self.decode_run_values(run, shared)
-            for k in range(1, run.max_steps + 1):
-                if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
-                    break
-                forward, around = next(steps)
-                seconds = fsum(forward + around)
-                out.append(seconds)
-                now_s = now_s + seconds
-            return out
-        _, constant, _, varying = split
+            sums = (fsum(forward + around)
+                    for forward, around in self.decode_run_values(run, shared))
+        else:
+            _, constant, _, varying = split
+            sums = (fsum(constant + terms) for terms in varying)
+        out = []
         for k in range(1, run.max_steps + 1):
-            if k > 1 and now_s >= horizon_s:
+            if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
                 break
-            seconds = fsum(constant + next(varying))
+            seconds = next(sums)
             out.append(seconds)
             now_s = now_s + seconds
         return out

@@ -170,12 +170,13 @@ class MetricsRecorder:
         single_rows = np.arange(num_single) + ends[np.searchsorted(at, np.arange(num_single),
                                                                     side="right")]
         used = np.array(self._run_used, dtype=np.float64)
+        batch = np.repeat(np.array(self._run_n, dtype=np.float64), m)
         runs = {"step": run_rows + 1.0,
                 "start_s": np.array(self._run_starts, dtype=np.float64),
                 "duration_s": np.array(self._run_durations, dtype=np.float64),
                 "num_prefill_tokens": np.zeros(len(used)),
-                "num_decode_tokens": np.repeat(np.array(self._run_n, dtype=np.float64), m),
-                "num_running": np.repeat(np.array(self._run_n, dtype=np.float64), m),
+                "num_decode_tokens": batch,
+                "num_running": batch,
                 "num_waiting": np.repeat(np.array(self._run_waiting, dtype=np.float64), m),
                 "kv_blocks_used": used,
                 "kv_blocks_free": self.num_blocks - used,

@@ -16,7 +16,6 @@ the KV manager indexes duplicates, so the common path never looks at it. Removin
 from __future__ import annotations
 
 
-
 class FreeQueue:
     """The free blocks, oldest freed first: a list read from a head index, so that taking n
     blocks from the front is one slice.
@@ -28,11 +27,12 @@ class FreeQueue:
 
     COMPACT_AT = 4096
 
-    def __init__(self, blocks):
-        self.q = list(blocks)
+    def __init__(self, num_blocks: int):
+        """Blocks 0..num_blocks-1, all free, in that order."""
+        self.q = list(range(num_blocks))
         self.head = 0
-        self.pos = list(range(len(self.q)))    # block ids 0..n-1 in order, at start
-        self.size = len(self.q)
+        self.pos = list(range(num_blocks))
+        self.size = num_blocks
         self.dead = 0                # dead entries at or after head
 
     def __len__(self) -> int:
@@ -96,7 +96,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list = [None] * num_blocks
-        self.free_queue = FreeQueue(range(num_blocks))
+        self.free_queue = FreeQueue(num_blocks)
         self.cached: dict = {}            # hash -> the oldest block indexed under it
         self.duplicates: dict = {}        # hash -> [later blocks under it, oldest first]
         self.num_cached_free = 0          # free blocks that still hold a hash
