@@ -2,6 +2,7 @@
 pass's records as simkv's result files (simkv.gpu.vllm; no vLLM, no GPU)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -393,3 +394,60 @@ def test_full_budget_prefill_steps_released_in_bunches_keep_their_total_in_block
     assert sum(r["reps"] for r in blocks) == len(full) - 1        # the first step has no period
     assert sum(r["time_s"] * r["reps"] for r in blocks) == pytest.approx(
         sum(bunch.values()))
+
+
+class _FakeOutputs:
+    """A request's output queue on a made-up engine: one token per `get`, finished after
+    `max_tokens` (the step profile's params are its max_tokens here)."""
+
+    def __init__(self, rid, max_tokens):
+        self.request_id, self.left = rid, max_tokens
+
+    def get_nowait(self):
+        return None
+
+    async def get(self):
+        await asyncio.sleep(0)
+        self.left -= 1
+        return type("Out", (), {"finished": self.left <= 0})()
+
+
+class _FakeEngine:
+    def __init__(self):
+        self.added, self.aborted = [], []
+
+    async def reset_prefix_cache(self):
+        pass
+
+    async def add_request(self, rid, prompt, max_tokens):
+        self.added.append((rid, len(prompt["prompt_token_ids"]), max_tokens))
+        return _FakeOutputs(rid, max_tokens)
+
+    async def abort(self, rid, internal=False):
+        self.aborted.append(rid)
+
+
+def test_a_mix_phase_serves_its_plan_in_order_and_records_each_arrival(monkeypatch):
+    monkeypatch.setattr(sp, "_params", lambda max_tokens: max_tokens)
+    monkeypatch.setattr(sp, "MIX_GAP_S", (0.0, 0.001))
+    engine, sink = _FakeEngine(), sp._Sink()
+    spec = ("mix", 6, 0, 4)
+    phase = asyncio.run(sp._run_phase(engine, sink, spec, sp._Prompts(1000, 7), 8192, 256,
+                                      sp.phase_name(spec)))
+    base, injected, gaps = sp.mix_plan(6, 0, 4, 7)
+    assert phase["name"] == "mix-b6-cspread-o4"
+    # the decoding requests hold MIX_SPREAD's lengths in turn; the injected prompts every size
+    # MIX_REPEATS times, shuffled, each decoding 4 tokens
+    assert [p for p, _ in base] == [sp.MIX_SPREAD[j % len(sp.MIX_SPREAD)] for j in range(6)]
+    assert sorted(p for p, _ in injected) == sorted(sp.MIX_SIZES * sp.MIX_REPEATS)
+    assert [p for p, _ in injected] != sorted(p for p, _ in injected)
+    assert phase["requests"] == [list(r) for r in base + injected]
+    assert [(n, m) for _, n, m in engine.added] == base + injected
+    # the same plan for the same arguments, another for another seed
+    assert sp.mix_plan(6, 0, 4, 7) == (base, injected, gaps)
+    assert sp.mix_plan(6, 0, 4, 8)[1] != injected
+    assert all(0.0 <= g <= 0.001 for g in gaps)
+    arrivals = phase["arrivals_s"]
+    assert len(arrivals) == len(injected) and arrivals == sorted(arrivals)
+    # the decoding requests end by vLLM's abort, the injected ones by their own outputs
+    assert sorted(engine.aborted) == sorted(f"{phase['name']}-{j}" for j in range(6))

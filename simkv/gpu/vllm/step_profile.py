@@ -68,6 +68,10 @@ INJECT_PROMPT_TOKENS = 512  # the injection phases' decoding requests
 INJECT_SIZES = (16, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
 INJECT_REPEATS = 3
 INJECT_GAP_S = 0.02         # between one injected request's end and the next one's arrival
+MIX_SIZES = (256, 512, 640, 768, 896, 1024, 1152, 1536, 2048)   # `mix` phases' prompts
+MIX_REPEATS = 5
+MIX_GAP_S = (0.045, 0.085)  # after an injected prompt's first token, the next one's arrival
+MIX_SPREAD = (600, 900, 1200, 1500, 1800, 2100)  # `mix` context 0: prompts of these, in turn
 WARMUP = (16, 1024, 8)      # requests, prompt tokens, output tokens
 RAW_FORMAT = "simkv-vllm-step-profile-raw-1"
 DRIVER = "simkv.gpu.vllm.step_profile 1"
@@ -84,6 +88,18 @@ PHASES = (
     ("ladder", 1024, 256),          # again: the run-to-run spread of the same compositions
 )
 
+# Prompts in decode streams as a trace has them (`--phases mix`): ("mix", B, C, O): B requests
+# of C prompt tokens (C = 0: MIX_SPREAD's lengths in turn) decode while single prompts of
+# MIX_SIZES (shuffled, MIX_REPEATS each) arrive at random points of a step, each MIX_GAP_S
+# after the previous one's first token, and decode O tokens (O > 1: they join the batch).
+MIX_PHASES = (
+    ("mix", 40, 1536, 32), ("mix", 40, 512, 1), ("inject", 32), ("mix", 40, 1536, 1),
+    ("mix", 40, 512, 32), ("mix", 48, 0, 32), ("mix", 8, 512, 1), ("mix", 64, 2048, 32),
+    ("mix", 16, 1024, 32), ("inject", 8), ("ladder", 1024, 256), ("mix", 1, 512, 1),
+    ("ladder", 2048, 256),
+)
+PHASE_SETS = {"profile": PHASES, "mix": MIX_PHASES}
+
 
 def phase_name(spec: tuple) -> str:
     kind = spec[0]
@@ -91,6 +107,8 @@ def phase_name(spec: tuple) -> str:
         return f"decode-c{spec[1]}-b{spec[2]}"
     if kind == "inject":
         return f"inject-b{spec[1]}"
+    if kind == "mix":
+        return f"mix-b{spec[1]}-c{spec[2] or 'spread'}-o{spec[3]}"
     return f"burst-p{spec[1]}-n{spec[2]}"
 
 
@@ -203,6 +221,18 @@ def ladder_requests(context: int, batch: int, budget: int, stage_steps: int = ST
 
 def burst_requests(prompt: int, count: int) -> list:
     return [(prompt, 1)] * count
+
+
+def mix_plan(batch: int, context: int, outputs: int, seed: int) -> tuple:
+    """(decoding requests, injected prompts' sizes in arrival order, gaps s) of a `mix` phase:
+    the same for the same arguments."""
+    import random
+    rng = random.Random(f"{seed}-{batch}-{context}-{outputs}")
+    base = [(context or MIX_SPREAD[j % len(MIX_SPREAD)], 10 ** 5) for j in range(batch)]
+    sizes = [s for s in MIX_SIZES for _ in range(MIX_REPEATS)]
+    rng.shuffle(sizes)
+    gaps = [rng.uniform(*MIX_GAP_S) for _ in sizes]
+    return base, [(s, int(outputs)) for s in sizes], gaps
 
 
 # -- a phase's records -> profile rows (no vLLM here) ----------------------------------------
@@ -547,7 +577,29 @@ async def _run_phase(engine, sink, spec: tuple, prompts: _Prompts, budget: int,
     t0 = time.monotonic()
     sink.t0 = t0
     kind = spec[0]
-    if kind in ("ladder", "burst"):
+    arrivals = None
+    if kind == "mix":
+        base_reqs, injected, gaps = mix_plan(spec[1], spec[2], spec[3], prompts.seed)
+        reqs = list(base_reqs)
+        events = [asyncio.Event() for _ in base_reqs]
+        base = [await _submit(engine, prompts(p), m, f"{name}-{j}", events[j])
+                for j, (p, m) in enumerate(base_reqs)]
+        for e in events:
+            await e.wait()
+        arrivals, tasks = [], []
+        for (size, m), gap in zip(injected, gaps):
+            await asyncio.sleep(gap)
+            started = asyncio.Event()
+            reqs.append((size, m))
+            arrivals.append(time.monotonic() - t0)
+            tasks.append(await _submit(engine, prompts(size), m, f"{name}-{len(reqs) - 1}",
+                                       started))
+            await started.wait()
+        await asyncio.gather(*tasks)
+        for task in base:          # vLLM aborts them; the replay stops where the logs differ
+            task.cancel()
+        await asyncio.gather(*base, return_exceptions=True)
+    elif kind in ("ladder", "burst"):
         reqs = (ladder_requests(spec[1], spec[2], budget, max_seqs=max_seqs)
                 if kind == "ladder" else burst_requests(spec[1], spec[2]))
         await _serve_all(engine, prompts, reqs, name)
@@ -570,8 +622,11 @@ async def _run_phase(engine, sink, spec: tuple, prompts: _Prompts, budget: int,
         await asyncio.gather(*base, return_exceptions=True)
     wall = time.monotonic() - t0
     await asyncio.sleep(0.3)       # the last step's stats arrive after its outputs
-    return {"name": name, "spec": list(spec), "requests": [list(r) for r in reqs],
-            "steps": list(sink.steps), "wall_s": round(wall, 3)}
+    phase = {"name": name, "spec": list(spec), "requests": [list(r) for r in reqs],
+             "steps": list(sink.steps), "wall_s": round(wall, 3)}
+    if arrivals is not None:       # the injected requests' submission times, the steps' clock
+        phase["arrivals_s"] = [round(a, 6) for a in arrivals]
+    return phase
 
 
 def _capture_sizes(engine) -> tuple:
@@ -629,6 +684,8 @@ async def _measure(scn, out: Path, budget_s: float, phases) -> dict:
                     timespec="seconds"),
                 "command": " ".join(["python -m simkv.gpu.vllm.step_profile", *sys.argv[1:]]),
                 "stage_steps": STAGE_STEPS, "setup": setup,
+                "mix": {"sizes": list(MIX_SIZES), "repeats": MIX_REPEATS,
+                        "gap_s": list(MIX_GAP_S), "spread": list(MIX_SPREAD)},
                 "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
             }
             prompts = _Prompts(scn.model.vocab_size, int(scn.seed))
@@ -674,6 +731,9 @@ def main(argv=None) -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--budget-s", type=float, default=400.0,
                    help="start no phase after this many seconds (the engine start counted)")
+    m.add_argument("--phases", choices=sorted(PHASE_SETS), default="profile",
+                   help="profile: the profile's phases; mix: prompts in decode streams as "
+                        "a trace has them")
     b = sub.add_parser("build", help="on the CPU: raw.json[.gz] -> steps.csv and meta.json")
     b.add_argument("raw")
     b.add_argument("--out", required=True)
@@ -683,7 +743,7 @@ def main(argv=None) -> int:
         scn = load_scenario(args.scenario)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        asyncio.run(_measure(scn, out, args.budget_s, PHASES))
+        asyncio.run(_measure(scn, out, args.budget_s, PHASE_SETS[args.phases]))
         return 0
     path = Path(args.raw)
     if path.suffix == ".gz":
