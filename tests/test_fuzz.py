@@ -241,7 +241,7 @@ def test_the_isolation_check_catches_sharing_across_tenants():
             run_checked(tiny_scenario("global"), shared_prefix_trace())
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared Mooncake trace not present")
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"shared trace missing: {MOONCAKE}")
 def test_mooncake_trace_with_round_robin_tenants_never_shares_across_tenants():
     df = load_trace(MOONCAKE, limit=300)
     df["tenant"] = [f"t{i % 3}" for i in range(len(df))]
