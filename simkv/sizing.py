@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from simkv import parallel
 from simkv import semantics as rules
 from simkv.specs import GpuSpec, ModelSpec, profiles_dir
 from simkv.errors import InputError, read_json_object
@@ -93,6 +94,13 @@ TOPK_WEIGHT_ID_BYTES = 4 + 4
 SWAP_STAGING_CHUNK_BYTES = 128 * MIB
 SWAP_STAGING_CHUNKS = 2
 
+# Per-GPU figures that `simkv size --json` also gives summed over the replica's GPUs
+# (x tensor_parallel_size, `<key>_total`). A block of the replica spans all its ranks (each holds
+# its KV heads' part), so the replica's scheduler has num_blocks blocks and caches
+# max_cached_tokens tokens; num_blocks_total counts the per-GPU blocks.
+TOTAL_KEYS = ("bytes_per_token", "bytes_per_block", "memory_budget_bytes", "weights_bytes",
+              "kv_pool_bytes", "num_blocks", "num_gpu_blocks")
+
 PROFILE_LEDGER_KEYS = (
     "weights_bytes",
     "activation_bytes_per_batched_token",
@@ -129,6 +137,9 @@ class Sizing:
     weights_dtype: str = "bf16"    # what the linear weights are stored as
     quantization: Optional[str] = None   # how (simkv.weights.Quantization.describe), or None
     moe: Optional[dict] = None     # a MoE model's experts (moe_summary), else None
+    # Tensor parallelism: every figure above is one GPU's (rank's); the replica's GPUs together
+    # hold tensor_parallel_size times the bytes and blocks (replicated parts counted on each).
+    tensor_parallel_size: int = 1
 
     @property
     def needed_bytes(self) -> int:
@@ -137,17 +148,26 @@ class Sizing:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable), keys as `simkv size --json` (num_gpu_blocks only
-        with a null block)."""
+        with a null block; tensor_parallel_size and the `*_total` figures only above TP 1)."""
         out = asdict(self)
         for key in ("num_gpu_blocks", "moe"):
             if out[key] is None:
                 del out[key]
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            del out["tensor_parallel_size"]
+        else:
+            for key in TOTAL_KEYS:
+                if out.get(key) is not None:
+                    out[f"{key}_total"] = out[key] * tp
         return out
 
 
-def moe_summary(model: ModelSpec, scheduler: SchedulerConfig) -> Optional[dict]:
+def moe_summary(model: ModelSpec, scheduler: SchedulerConfig,
+                tensor_parallel_size: int = 1) -> Optional[dict]:
     """A MoE model's experts for `simkv size`: counts, bytes of one routed expert of one layer
-    and of all of them, and the expert layer's workspace at max_num_batched_tokens."""
+    and of all of them (whole checkpoint), and the expert layer's workspace at
+    max_num_batched_tokens (one rank's)."""
     e = model.experts
     if e is None:
         return None
@@ -158,7 +178,7 @@ def moe_summary(model: ModelSpec, scheduler: SchedulerConfig) -> Optional[dict]:
         "num_moe_layers": e.num_moe_layers, "expert_params": model.expert_params,
         "expert_bytes": model.expert_bytes, "routed_expert_bytes": model.routed_expert_bytes(),
         "moe_workspace_bytes": estimate_moe_workspace_bytes(
-            model, scheduler.max_num_batched_tokens),
+            model, scheduler.max_num_batched_tokens, tensor_parallel_size),
     }
 
 
@@ -179,13 +199,15 @@ def memory_budget_bytes(gpu: GpuSpec, cache: CacheConfig) -> int:
     return math.floor(cache.gpu_memory_utilization * gpu.memory_bytes)
 
 
-def estimate_moe_workspace_bytes(model: ModelSpec, tokens: int) -> int:
+def estimate_moe_workspace_bytes(model: ModelSpec, tokens: int,
+                                 tensor_parallel_size: int = 1) -> int:
     """Estimated workspace (bytes) of one mixture-of-experts layer over `tokens` routed tokens
-    (FUSED_MOE_CHUNK_TOKENS above says what it holds); 0 for a dense model."""
+    on one rank (FUSED_MOE_CHUNK_TOKENS above says what it holds; the experts' width is split
+    over the ranks); 0 for a dense model."""
     e = model.experts
     if e is None:
         return 0
-    width, hidden = e.expert_intermediate_size, model.hidden_size
+    width, hidden = e.expert_intermediate_size // tensor_parallel_size, model.hidden_size
     chunk = min(tokens, FUSED_MOE_CHUNK_TOKENS)
     experts = chunk * e.top_k * (max(2 * width, hidden) + width) * ACTIVATION_DTYPE_BYTES
     router = tokens * (e.num_experts * ACTIVATION_DTYPE_BYTES + e.top_k * TOPK_WEIGHT_ID_BYTES)
@@ -193,17 +215,21 @@ def estimate_moe_workspace_bytes(model: ModelSpec, tokens: int) -> int:
     return experts + router + shared
 
 
-def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> int:
-    """Estimated peak activation workspace (bytes) of a forward over max_num_batched_tokens:
-    the hidden-sized tensors plus the largest of a dense MLP's, attention's and (MoE) the
-    expert layer's workspace, or the sampler's logits when larger."""
+def estimate_activation_bytes(model: ModelSpec, scheduler: SchedulerConfig,
+                              tensor_parallel_size: int = 1) -> int:
+    """Estimated peak activation workspace (bytes) of a forward over max_num_batched_tokens on
+    one rank: the hidden-sized tensors (whole on every rank) plus the largest of a dense MLP's,
+    attention's and (MoE) the expert layer's workspace (the rank's share of the intermediate
+    features and heads), or the sampler's logits when larger (gathered whole on every rank)."""
+    tp = tensor_parallel_size
     tokens = scheduler.max_num_batched_tokens
     dense_layers = model.num_layers - (model.experts.num_moe_layers if model.experts else 0)
-    mlp_elems = 3 * model.intermediate_size if dense_layers else 0
-    attention_elems = (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    mlp_elems = 3 * model.intermediate_size // tp if dense_layers else 0
+    attention_elems = (2 * model.num_heads // tp
+                       + 2 * parallel.kv_heads_per_rank(model, tp)) * model.head_dim
     hidden = tokens * HIDDEN_SIZED_TENSORS * model.hidden_size * ACTIVATION_DTYPE_BYTES
     layer = max(tokens * max(mlp_elems, attention_elems) * ACTIVATION_DTYPE_BYTES,
-                estimate_moe_workspace_bytes(model, tokens))
+                estimate_moe_workspace_bytes(model, tokens, tp))
     sampled_rows = min(scheduler.max_num_seqs, tokens)
     logits = sampled_rows * model.vocab_size * LOGITS_DTYPE_BYTES
     return max(hidden + layer, logits)
@@ -221,9 +247,12 @@ def estimate_graph_pool_bytes(model: ModelSpec, scheduler: SchedulerConfig) -> i
             + (len(decode) + len(mixed)) * GRAPH_SEGMENT_BYTES)
 
 
-def read_profile_ledger(model: ModelSpec, gpu: GpuSpec) -> Optional[dict[str, Any]]:
-    """The measured ledger `profiles/<gpu>/<model>/ledger.json` as a dict, or None if absent."""
-    path = profiles_dir() / gpu.name / model.name / "ledger.json"
+def read_profile_ledger(model: ModelSpec, gpu: GpuSpec,
+                        tensor_parallel_size: int = 1) -> Optional[dict[str, Any]]:
+    """The measured ledger `profiles/<gpu>/<model>/ledger.json` (above TP 1, one rank's in
+    `<model>-tp<N>/`) as a dict, or None if absent."""
+    path = profiles_dir() / gpu.name / parallel.profile_name(model.name, tensor_parallel_size) \
+        / "ledger.json"
     if not path.is_file():
         return None
     ledger = read_json_object(path, "written by `simkv profile`")
@@ -268,10 +297,12 @@ def _profile_terms(profile: dict, model: ModelSpec, scheduler: SchedulerConfig) 
     return weights, activation, other, other_parts
 
 
-def _estimated_terms(model: ModelSpec, scheduler: SchedulerConfig) -> tuple:
-    """(weights, activation, other, other_parts) bytes from the estimates above."""
-    weights = model.weight_bytes()
-    activation = estimate_activation_bytes(model, scheduler)
+def _estimated_terms(model: ModelSpec, scheduler: SchedulerConfig,
+                     tensor_parallel_size: int = 1) -> tuple:
+    """(weights, activation, other, other_parts) bytes of one rank from the estimates above
+    (the CUDA context, graph pool and allocator slack are per GPU: whole on every rank)."""
+    weights = parallel.rank_weight_bytes(model, tensor_parallel_size)
+    activation = estimate_activation_bytes(model, scheduler, tensor_parallel_size)
     other_parts = {
         "cuda_context_bytes": CUDA_CONTEXT_BYTES,
         "cuda_graph_pool_bytes": estimate_graph_pool_bytes(model, scheduler),
@@ -285,9 +316,12 @@ OUTSIDE_VLLM_BUDGET = ("cuda_graph_pool_bytes", "allocator_slack_bytes")
 
 
 def size_pool(
-    model: ModelSpec, gpu: GpuSpec, cache: CacheConfig, scheduler: SchedulerConfig
+    model: ModelSpec, gpu: GpuSpec, cache: CacheConfig, scheduler: SchedulerConfig,
+    tensor_parallel_size: int = 1,
 ) -> Sizing:
-    """Size the KV pool of `model` on `gpu` (all figures in bytes unless named otherwise).
+    """Size the KV pool of `model` on `gpu` (all figures in bytes unless named otherwise); with
+    `tensor_parallel_size` N > 1 (checked by simkv.parallel.check before), one GPU's of N:
+    its share of the weights and KV heads (simkv.parallel), the workspace of its shards.
 
     Never raises for a model that does not fit: kv_pool_bytes goes negative and num_blocks to 0;
     use `fit_error` to turn that into a message. Rules left null (a config built in code, not
@@ -297,18 +331,19 @@ def size_pool(
             or cache.null_block is None or cache.pool_sizing is None:
         cache, scheduler = copy.copy(cache), copy.copy(scheduler)
         rules.resolve(rules.DEFAULT_SEMANTICS, cache, scheduler, gpu)
-    bytes_per_token = model.kv_bytes_per_token(cache.kv_dtype)
+    tp = tensor_parallel_size
+    bytes_per_token = parallel.kv_bytes_per_token(model, cache.kv_dtype, tp)
     bytes_per_block = bytes_per_token * cache.block_size
     budget = memory_budget_bytes(gpu, cache)
 
-    profile = read_profile_ledger(model, gpu)
+    profile = read_profile_ledger(model, gpu, tp)
     if profile is not None:
         source = "profile"
         weights, activation, other, other_parts = _profile_terms(profile, model, scheduler)
         ledger_file = profile["path"]
     else:
         source = "estimate"
-        weights, activation, other, other_parts = _estimated_terms(model, scheduler)
+        weights, activation, other, other_parts = _estimated_terms(model, scheduler, tp)
         ledger_file = None
     # vLLM sizes its pool by a profile run: the budget less the weights, the peak of torch's
     # allocations and the memory outside torch; CUDA graphs are captured afterwards and the
@@ -363,8 +398,16 @@ def size_pool(
         total_params=model.num_params, active_params=model.active_params,
         weights_dtype=model.weights_dtype,
         quantization=model.quantization.describe() if model.quantization else None,
-        moe=moe_summary(model, scheduler),
+        moe=moe_summary(model, scheduler, tp),
+        tensor_parallel_size=tp,
     )
+
+
+def size_scenario(scenario) -> Sizing:
+    """`size_pool` of a scenario (simkv.config.scenario.Scenario, read by attribute): its
+    model, GPU, cache and scheduler settings and tensor_parallel_size."""
+    return size_pool(scenario.model, scenario.gpu, scenario.cache, scenario.scheduler,
+                     getattr(scenario, "tensor_parallel_size", 1))
 
 
 def fit_error(sizing: Sizing, max_model_len: Optional[int] = None) -> Optional[str]:
@@ -380,6 +423,8 @@ def fit_error(sizing: Sizing, max_model_len: Optional[int] = None) -> Optional[s
             f"{sizing.activation_bytes / GIB:.1f} + other {sizing.other_bytes / GIB:.1f}, "
             f"{sizing.source}), budget is {sizing.memory_budget_bytes / GIB:.1f} GiB: raise "
             "cache.gpu_memory_utilization or cache.memory_budget_gib, or use a bigger GPU"
+            + (" or more tensor-parallel GPUs (tensor_parallel_size)"
+               if sizing.tensor_parallel_size < parallel.MAX_TENSOR_PARALLEL_SIZE else "")
         )
     if max_model_len is not None and sizing.max_cached_tokens < max_model_len:
         return (

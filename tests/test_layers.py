@@ -23,6 +23,7 @@ ALLOWED = {
     "launch_policy": set(),
     "weights": set(),             # the tensors a checkpoint holds (simkv.specs builds on it)
     "specs": BASE | {"weights"},
+    "parallel": {"weights"},      # a tensor-parallel rank's share of them (beside specs)
     "sizing": BASE | {"specs", "launch_policy"},
     "config": BASE | {"specs", "sizing"},
     "engine": BASE | {"specs", "sizing", "config", "launch_policy"},
@@ -40,6 +41,9 @@ ALLOWED = {
     "validation": BASE | {"specs", "sizing", "config", "engine", "launch_policy", "workload",
                           "profile", "costmodel", "sim", "gpu", "fitting"},
 }
+for _uses in ALLOWED.values():
+    if "specs" in _uses:
+        _uses.add("parallel")
 ALLOWED["cli"] = set(ALLOWED) | {"whatif", "validation"}
 ALLOWED["validate"] = ALLOWED["validation"] | {"validation"}
 ALLOWED["__init__"] = BASE | {"config", "sim"}

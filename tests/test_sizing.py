@@ -138,7 +138,7 @@ def test_swap_mode_reserves_the_staging_that_exceeds_the_forward_workspace(profi
 
 
 def test_estimated_activation_grows_with_the_token_budget(monkeypatch):
-    monkeypatch.setattr("simkv.sizing.read_profile_ledger", lambda model, gpu: None)
+    monkeypatch.setattr("simkv.sizing.read_profile_ledger", lambda model, gpu, tp=1: None)
     small = sizing(scheduler=limits(max_num_batched_tokens=2048))
     large = sizing(scheduler=limits(max_num_batched_tokens=16384))
     assert large.activation_bytes > small.activation_bytes

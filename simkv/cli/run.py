@@ -30,9 +30,12 @@ def size(
         None, "--max-num-seqs", help="Most sequences per step; default: the semantics'."),
     semantics: str = typer.Option(
         "vllm-0.26", "--semantics", help="vllm-0.26 (a null block, vLLM's limits) | vllm-0.18."),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", "--tp",
+        help="GPUs one replica is split over (1..16); figures are per GPU, *_total beside."),
     as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
 ) -> None:
-    """KV sizing arithmetic and pool size for a model on a GPU."""
+    """KV sizing arithmetic and pool size for a model on a GPU (per GPU of a TP replica)."""
     from simkv import semantics as rules
     from simkv.config.scenario import CacheConfig, SchedulerConfig
     from simkv.sizing import fit_error, size_pool
@@ -58,7 +61,12 @@ def size(
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     gpu_spec = load_gpu(gpu)
     rules.resolve(semantics, cache, scheduler, gpu_spec)
-    sizing = size_pool(load_model(model, weights_dtype=weights_dtype), gpu_spec, cache, scheduler)
+    from simkv import parallel
+    spec = load_model(model, weights_dtype=weights_dtype)
+    problem = parallel.check(spec, tensor_parallel_size)
+    if problem:
+        raise InputError(f"--tensor-parallel-size: {problem}")
+    sizing = size_pool(spec, gpu_spec, cache, scheduler, tensor_parallel_size)
     problem = fit_error(sizing)
     if problem:
         raise InputError(problem)
@@ -74,7 +82,9 @@ def _print_sizing(sizing) -> None:
     def gib(n: int) -> str:
         return f"{n / GIB:,.2f} GiB"
 
-    table = Table(title=f"{sizing.model} on {sizing.gpu}", show_header=False)
+    tp = sizing.tensor_parallel_size
+    where = f"{sizing.gpu}" if tp == 1 else f"{tp} x {sizing.gpu} (tensor parallel; per GPU)"
+    table = Table(title=f"{sizing.model} on {where}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     moe = sizing.moe
@@ -108,6 +118,12 @@ def _print_sizing(sizing) -> None:
         ("max cached tokens", f"{sizing.max_cached_tokens:,}"),
         ("source", sizing.source),
     ]
+    if tp > 1:
+        rows += [
+            (f"all {tp} GPUs: weights", gib(sizing.weights_bytes * tp)),
+            (f"all {tp} GPUs: KV bytes per token", f"{sizing.bytes_per_token * tp:,} B"),
+            (f"all {tp} GPUs: KV pool", gib(sizing.kv_pool_bytes * tp)),
+        ]
     for name, value in rows:
         table.add_row(name, value)
     out = console()

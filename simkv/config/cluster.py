@@ -10,8 +10,8 @@ cluster:
   kv_transfer: {link: nvlink}                     # P/D only; or {bandwidth_gbps, latency_s}
 ```
 
-Each pool is the scenario with the pool's overrides (`gpu`, `model`, `cost_model`, `cache`,
-`scheduler`) applied and validated like any scenario, so a pool whose GPU cannot hold the model
+Each pool is the scenario with the pool's overrides (`gpu`, `model`, `cost_model`,
+`tensor_parallel_size`, `cache`, `scheduler`) applied and validated like any scenario, so a pool whose GPU cannot hold the model
 fails here, naming `cluster.pools.N`. Link figures come from `profiles/links.yaml`
 (`load_link`). Every problem is an InputError naming the file (or --set) and the key.
 """
@@ -220,7 +220,7 @@ def _pool(v, i: int, entry, base: dict, source: str, load_pool) -> PoolConfig:
     if role not in ROLES:
         v.fail(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
     merged = copy.deepcopy(base)
-    for key in ("gpu", "model", "cost_model"):
+    for key in ("gpu", "model", "cost_model", "tensor_parallel_size"):
         if entry.get(key) is not None:
             merged[key] = _typed(v, f"{where}.{key}", entry[key], POOL_TYPES, key)
     for key in POOL_SECTIONS:
@@ -269,7 +269,9 @@ def cluster_to_dict(cluster: ClusterConfig) -> dict:
     """The cluster as plain data, for reports."""
     return {"router": {f.name: getattr(cluster.router, f.name) for f in fields(RouterConfig)},
             "pools": [{"name": p.name, "replicas": p.replicas, "role": p.role,
-                       "gpu": p.scenario.gpu.name, "model": p.scenario.model.name}
+                       "gpu": p.scenario.gpu.name, "model": p.scenario.model.name,
+                       **({"tensor_parallel_size": p.scenario.tensor_parallel_size}
+                          if p.scenario.tensor_parallel_size != 1 else {})}
                       for p in cluster.pools],
             "kv_transfer": None if cluster.kv_transfer is None else {
                 "link": cluster.kv_transfer.name,

@@ -30,6 +30,7 @@ TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
     "step_time_scale": (float, False),
     "seed": (int, False),
     "semantics": (str, False),
+    "tensor_parallel_size": (int, False),   # GPUs one replica is split over (simkv.parallel)
 }
 # `cost_model:` is a string (its source) or a mapping of these
 COST_MODEL_TYPES: dict[str, tuple[type, bool]] = {
@@ -78,6 +79,7 @@ LINK_TYPES: dict[str, tuple[type, bool]] = {
 POOL_TYPES: dict[str, tuple[type, bool]] = {
     "name": (str, False), "replicas": (int, False), "role": (str, False),
     "gpu": (str, False), "model": (str, False), "cost_model": (str, False),
+    "tensor_parallel_size": (int, False),
 }
 POOL_SECTIONS = ("cache", "scheduler")     # a pool's overrides of these, key by key
 CLUSTER_KEYS = ["cluster.router", "cluster.pools", "cluster.kv_transfer",

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from simkv.config.keys import (EFFECTS, FREE_FORM, KEY_TYPES, SECTIONS, SLO_EXAMPLES, SLO_KEY,
                                TOP_LEVEL_TYPES, VALID_KEYS, apply_overrides, parse_set)
+from simkv import parallel
 from simkv import semantics as rules
 from simkv.config.cluster import ClusterConfig, cluster_to_dict, load_cluster
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
@@ -52,6 +53,7 @@ class Scenario:
     base_dir: Optional[Path] = None             # relative paths resolve against this folder
     raw: dict[str, Any] = field(default_factory=dict)  # the merged YAML, for reports
     cluster: Optional[ClusterConfig] = None     # pools behind a router; None: one replica
+    tensor_parallel_size: int = 1               # GPUs per replica (simkv.parallel)
 
 
 def _read_source(path_or_dict, base_dir: Optional[Path], source: Optional[str]) -> tuple:
@@ -178,7 +180,11 @@ def load_scenario(
     check_workload(v, workload, base_dir)
     gpu_clock, step_time_scale, cost_model, effects = _runtime_settings(v, top, raw, base_dir)
     check_against_model(v, scheduler, model)
-    problem = fit_error(size_pool(model, gpu, cache, scheduler), scheduler.max_model_len)
+    tp = top.get("tensor_parallel_size", 1)
+    problem = parallel.check(model, tp)
+    if problem:
+        v.fail("tensor_parallel_size", problem)
+    problem = fit_error(size_pool(model, gpu, cache, scheduler, tp), scheduler.max_model_len)
     if problem:
         raise InputError(f"{source}: {problem}")
     name = top.get("name") or (path.stem if path else "scenario")
@@ -209,6 +215,7 @@ def load_scenario(
         base_dir=base_dir.resolve(),
         raw=raw,
         cluster=cluster,
+        tensor_parallel_size=tp,
     )
 
 
@@ -243,4 +250,6 @@ def scenario_to_dict(scn: Scenario) -> dict[str, Any]:
         "slo": dict(scn.slo),
         "path": str(scn.path) if scn.path else None,
         **({"cluster": cluster_to_dict(scn.cluster)} if scn.cluster is not None else {}),
+        **({"tensor_parallel_size": scn.tensor_parallel_size}
+           if scn.tensor_parallel_size != 1 else {}),
     }

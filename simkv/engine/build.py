@@ -7,12 +7,12 @@ from __future__ import annotations
 from simkv.engine.kv.contiguous import ContiguousKVCacheManager
 from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.engine.scheduler import Scheduler
-from simkv.sizing import size_pool
+from simkv.sizing import size_scenario
 
 def build_kv_manager(scenario, sizing=None):
-    """The KV manager the scenario asks for, sized by `size_pool` (or the override)."""
+    """The KV manager the scenario asks for, sized by `size_scenario` (or the override)."""
     cache, sched = scenario.cache, scenario.scheduler
-    sizing = sizing or size_pool(scenario.model, scenario.gpu, cache, sched)
+    sizing = sizing or size_scenario(scenario)
     if cache.allocator == "contiguous":
         return ContiguousKVCacheManager(sizing.num_blocks, cache.block_size, sched.max_model_len,
                                         watermark=cache.watermark,
@@ -26,7 +26,7 @@ def build_kv_manager(scenario, sizing=None):
 def build_scheduler(scenario):
     """(Scheduler, Sizing) for a scenario."""
     cache, sched = scenario.cache, scenario.scheduler
-    sizing = size_pool(scenario.model, scenario.gpu, cache, sched)
+    sizing = size_scenario(scenario)
     kv = build_kv_manager(scenario, sizing)
     scheduler = Scheduler(
         kv,

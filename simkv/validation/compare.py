@@ -125,10 +125,10 @@ def _served_pool(scn, measured: dict):
     """`scn` serving the pool the engine served: `num_blocks` checks the sizing on its own, and
     a profile re-measured since the run must not change the pool compared."""
     from simkv.config.scenario import with_overrides
-    from simkv.sizing import size_pool
+    from simkv.sizing import size_scenario
     # the sizing alone: a KV manager of an unlimited pool (a tiny model on an H200: 130 million
     # blocks) would take gigabytes just to be thrown away
-    sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
+    sizing = size_scenario(scn)
     served_blocks = int(measured.get("num_blocks") or 0)
     if served_blocks and served_blocks != sizing.num_blocks \
             and scn.cache.num_gpu_blocks_override is None:

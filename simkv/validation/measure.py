@@ -41,9 +41,9 @@ class _Bench:
                 s.max_num_seqs, s.max_model_len, s.max_num_batched_tokens)
 
     def engine(self, scn, frame):
-        from simkv.sizing import size_pool
+        from simkv.sizing import size_scenario
         from simkv.gpu.engine import Engine
-        sizing = size_pool(scn.model, scn.gpu, scn.cache, scn.scheduler)
+        sizing = size_scenario(scn)
         key = self._executor_key(scn, sizing.num_blocks)
         if key != self.executor_key:
             self.release()
