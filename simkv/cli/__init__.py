@@ -24,6 +24,21 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from simkv._version import __version__
+        print(f"simkv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print simkv's version and exit.")) -> None:
+    """Capacity planning for LLM serving with a paged KV cache."""
+
+
 app.command("size")(run.size)
 app.command("run")(run.run)
 app.command("explain")(run.explain)
@@ -73,7 +88,10 @@ def _usage_error(e: Exception) -> int:
     """A usage error of the parser (click's, or the copy vendored by newer typer versions)."""
     kinds = {cls.__name__ for cls in type(e).__mro__}
     if "NoArgsIsHelpError" in kinds:
-        print(e.ctx.get_help())
+        # the error was made from ctx.get_help(), which typer's rich help prints as it is
+        # asked (and returns ""); plain click returns the text: print it once either way
+        if e.format_message().strip():
+            print(e.format_message())
         return 0
     if "ClickException" not in kinds:
         raise e

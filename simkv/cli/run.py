@@ -189,6 +189,9 @@ def _run_overrides(set_: list[str], trace: Optional[Path], trace_format: Optiona
 
     overrides = parse_set(set_)
     if trace is not None:
+        if not trace.is_file():
+            raise InputError(f"--trace: no such file: {trace} (the public traces: README, "
+                             "Public traces)")
         overrides["workload.trace"] = str(trace.resolve())
         overrides["workload.synthetic"] = None
     if trace_format is not None:
