@@ -24,22 +24,27 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, heads, dim] at `positions` over k, v [context, kv_heads, dim]; causal by position."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+            window: int | None = None) -> torch.Tensor:
+    """q [n, heads, dim] at `positions` over k, v [context, kv_heads, dim]; causal by position,
+    and with a sliding `window` a query at p sees keys p - window + 1 .. p only."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     keys = torch.arange(k.shape[0], device=q.device)
     visible = keys[None, :] <= positions[:, None]  # [n, context]
+    if window is not None:
+        visible &= keys[None, :] > positions[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None):
-    """Reference decode: out[s] = softmax(q[s] · K_s / √d) V_s over the first seq_lens[s] tokens;
-    a row with seq_lens[s] == 0 is padding and is left untouched (into `out` if given)."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None, window=None):
+    """Reference decode: out[s] = softmax(q[s] · K_s / √d) V_s over the first seq_lens[s] tokens
+    (the last `window` of them with a sliding window); a row with seq_lens[s] == 0 is padding and
+    is left untouched (into `out` if given)."""
     dtype = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q) if out is None else out
@@ -50,14 +55,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         k = gather_context(k_cache, block_tables[s], context).to(dtype)
         v = gather_context(v_cache, block_tables[s], context).to(dtype)
         position = torch.tensor([context - 1], device=q.device)
-        out[s] = _attend(q[s : s + 1].to(dtype), k, v, position, scale)[0].to(q.dtype)
+        out[s] = _attend(q[s : s + 1].to(dtype), k, v, position, scale, window)[0].to(q.dtype)
     return out
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
-                            out=None):
-    """Reference prefill: causal attention of each sequence's new tokens over its whole context;
-    rows outside the sequences' query ranges are left untouched (into `out` if given)."""
+                            out=None, window=None):
+    """Reference prefill: causal attention of each sequence's new tokens over its whole context
+    (a token at p over p - window + 1 .. p with a sliding window); rows outside the sequences'
+    query ranges are left untouched (into `out` if given)."""
     dtype = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out = torch.empty_like(q) if out is None else out
@@ -69,7 +75,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         k = gather_context(k_cache, block_tables[s], context).to(dtype)
         v = gather_context(v_cache, block_tables[s], context).to(dtype)
         positions = torch.arange(context - (end - start), context, device=q.device)
-        out[start:end] = _attend(q[start:end].to(dtype), k, v, positions, scale).to(q.dtype)
+        out[start:end] = _attend(q[start:end].to(dtype), k, v, positions, scale, window).to(q.dtype)
     return out
 
 

@@ -122,7 +122,7 @@ def _merge_group(
 
 
 # Integer arguments equal to 1 would otherwise be specialised into Python constants.
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_splits", "window"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, workspace_ptr, counters_ptr,
@@ -132,20 +132,24 @@ def _paged_decode_kernel(
     stride_v_block, stride_v_tok, stride_v_head,
     stride_bt_seq,
     stride_o_seq, stride_o_head,
-    num_seqs, num_heads, num_splits,
+    num_seqs, num_heads, num_splits, window, load_counts_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    OFF32: tl.constexpr, PRECISION: tl.constexpr,
+    OFF32: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, COUNT_LOADS: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # With a sliding window the query (position seq_len - 1) sees keys from seq_len - window on;
+    # the tiles before the one holding that key are never visited, so their pages are not read.
+    first_key = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
+    first_tile = first_key // TILE
     num_tiles = tl.cdiv(seq_len, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -168,10 +172,12 @@ def _paged_decode_kernel(
     # Page numbers of the next tile are loaded one iteration ahead, so that the K/V loads of a
     # tile depend on no load of the same iteration and the compiler can pipeline them.
     tok = tile_lo * TILE + offs_t
-    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok < seq_len, other=0)
+    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=(tok < seq_len) & (tok >= first_key), other=0)
+    tokens_loaded = tl.full([], 0, tl.int32)
+    pages_loaded = tl.full([], 0, tl.int32)
     for tile in range(tile_lo, tile_hi):
         tok = tile * TILE + offs_t
-        valid = tok < seq_len
+        valid = (tok < seq_len) & (tok >= first_key)
         in_page = tok % BLOCK_SIZE
         if OFF32:  # every offset in the caches fits in int32 (checked at launch)
             k_off = page * stride_k_block + in_page * stride_k_tok
@@ -183,6 +189,12 @@ def _paged_decode_kernel(
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         next_tok = tok + TILE
         page = tl.load(bt_row + next_tok // BLOCK_SIZE, mask=next_tok < seq_len, other=0)
+        if COUNT_LOADS:
+            # A page is counted where this program reads its first token: its first in-page
+            # slot, or the first token the program reads at all.
+            starts = valid & ((in_page == 0) | (tok == tl.maximum(tile_lo * TILE, first_key)))
+            tokens_loaded += tl.sum(valid.to(tl.int32), 0)
+            pages_loaded += tl.sum(starts.to(tl.int32), 0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -191,6 +203,10 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
+
+    if COUNT_LOADS:  # (tokens, pages) of K read per sequence, summed over its KV heads
+        tl.atomic_add(load_counts_ptr + seq * 2, tokens_loaded)
+        tl.atomic_add(load_counts_ptr + seq * 2 + 1, pages_loaded)
 
     if SINGLE_SPLIT:
         # seq_len 0 marks a padding row (fixed-shape steps): nothing is written there.
@@ -231,7 +247,7 @@ def _merge_splits_kernel(
     first = (seq.to(tl.int64) * num_heads + head) * num_splits
     offs_s = tl.arange(0, SPLITS_PAD)
     m = tl.load(workspace_ptr + rows * HEAD_DIM + first + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    # Split 0 always holds token 0, so m_max is finite and every weight is finite.
+    # Split 0 always holds the first token attended to, so m_max and every weight are finite.
     m_max = tl.max(m, 0)
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -269,6 +285,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     counters: torch.Tensor | None = None,
+    window: int | None = None,
+    load_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache.
 
@@ -276,7 +294,10 @@ def paged_decode_attention(
     head_dim]; block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs], each
     >= 1 (the tokens to attend to, this step's token included), or 0 for a padding row, whose
     output row is left untouched. Query head h reads KV head h // (num_heads // num_kv_heads).
-    `scale` defaults to 1/sqrt(head_dim).
+    `scale` defaults to 1/sqrt(head_dim). With a sliding `window` (tokens, >= 1; None: full
+    attention) the query at position seq_len - 1 attends to positions seq_len - window ..
+    seq_len - 1 only, as vLLM's sliding-window layers do; the pages wholly before that range are
+    not read.
 
     Returns out [num_seqs, num_heads, head_dim] in q's dtype (written into `out` if given).
     `workspace` is optional float32 scratch of at least `decode_workspace_numel(...)` elements;
@@ -284,14 +305,22 @@ def paged_decode_attention(
     int32 scratch of at least num_seqs × num_kv_heads elements, all 0 before the first call (the
     kernel leaves them 0); by default a buffer shared by the calls on the device is used, which
     is fine for calls issued on one stream. `num_splits` and `config` override the tuned launch
-    parameters (benchmarks, tests).
+    parameters (benchmarks, tests). `load_counts`, int32 [num_seqs, 2] (added to, not zeroed),
+    receives per sequence the K tokens and the K pages the launch reads, summed over KV heads
+    (V reads the same ones); it switches on a counting variant of the kernel (benchmarks, tests).
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     num_seqs, num_heads = check_query(q, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
     cfg = config or decode_config(block_size, head_dim, q.dtype)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1 token (or None), got {window}")
+    if load_counts is not None and (load_counts.dtype != torch.int32 or load_counts.shape != (num_seqs, 2)):
+        raise ValueError(f"load_counts must be int32 [{num_seqs}, 2]")
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
+        if window is not None:  # the tiles a query visits: those overlapping its window
+            max_context = min(max_context, window + cfg.tile)
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, cfg.tile, sm_count(q.device))
     if out is None:
         out = torch.empty_like(q)
@@ -333,12 +362,13 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_seqs, num_heads, num_splits,
+        num_seqs, num_heads, num_splits, window or 0, out if load_counts is None else load_counts,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE=cfg.tile, SINGLE_SPLIT=single,
         FUSED_MERGE=fused, GROUP_P2=group_p2, SPLITS_PAD=merge_pad if fused else 1,
         MERGE_CHUNK=merge_chunk if fused else 1,
         OFF32=offsets_fit_int32(k_cache, v_cache), PRECISION=DOT_PRECISION,
+        HAS_WINDOW=window is not None, COUNT_LOADS=load_counts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not single and not fused:

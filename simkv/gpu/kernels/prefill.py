@@ -2,7 +2,8 @@
 
 The new tokens of every sequence sit back to back in q (`query_start_loc` marks where each
 sequence starts); their K/V are already in the cache, behind any cached prefix. Query token i of
-sequence s sits at position seq_lens[s] - q_len_s + i and sees keys 0..that position.
+sequence s sits at position seq_lens[s] - q_len_s + i and sees keys 0..that position (with a
+sliding window of W tokens, the last W of them).
 
 One program handles BLOCK_M query tokens of one sequence for one query head. Programs are laid
 out over the flattened query tokens with one spare tile per sequence (sequence s owns tiles from
@@ -47,14 +48,21 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, mask, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, mask, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+                         SAFE: tl.constexpr = False):
     # Scores in log2 units; the max is taken before scaling so that scale and shift are one FMA.
+    # SAFE: a row may have seen no key yet (a sliding window starts after this tile); its max
+    # stays -inf and it is shifted by 0 instead, so that it adds nothing rather than NaN.
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2e)
-    p = tl.exp2(s * scale_log2e - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if SAFE:
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.exp2(s * scale_log2e - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
@@ -85,7 +93,7 @@ def _kv_offsets(page, key, stride_k_block, stride_k_tok, stride_v_block, stride_
 
 
 # num_seqs == 1 would otherwise be specialised into a Python constant.
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale_log2e,
@@ -94,10 +102,10 @@ def _paged_prefill_kernel(
     stride_v_block, stride_v_tok, stride_v_head,
     stride_bt_seq,
     stride_o_tok, stride_o_head,
-    num_seqs,
+    num_seqs, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH_PAGES: tl.constexpr, OFF32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     head = tl.program_id(0)
     # Highest tiles first: under the causal mask they carry the most work, so the tail is short.
@@ -139,10 +147,25 @@ def _paged_prefill_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
 
-    # Keys below the tile's first position are visible to every row: no mask needed there.
+    # Keys below the tile's first position are visible to every row (causally): no mask there.
+    first_pos = context_start + m_start
     last_pos = context_start + tl.minimum(m_start + BLOCK_M, q_len) - 1
-    n_full = tl.where(has_work, (context_start + m_start + 1) // BLOCK_N, 0)
+    n_full = tl.where(has_work, (first_pos + 1) // BLOCK_N, 0)
     n_all = tl.where(has_work, tl.cdiv(last_pos + 1, BLOCK_N), 0)
+    # Key tiles [kt_lo, kt_win) need the window mask; [kt_win, kt_causal) no mask at all;
+    # [kt_causal, n_all) the causal mask. A row at position p sees keys p - window + 1 .. p, so
+    # keys before the first row's window are seen by no row: their tiles are never visited and
+    # their slots in a partly visited tile are not loaded.
+    if HAS_WINDOW:
+        first_key = tl.maximum(first_pos - window + 1, 0)
+        kt_lo = tl.where(has_work, first_key // BLOCK_N, 0)
+        kt_win = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N)
+        kt_win = tl.minimum(tl.maximum(kt_win, kt_lo), n_all)
+    else:
+        first_key = 0
+        kt_lo = 0
+        kt_win = 0
+    kt_causal = tl.minimum(tl.maximum(n_full, kt_win), n_all)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -151,8 +174,22 @@ def _paged_prefill_kernel(
     # of a tile depend on no load of the same iteration; without, the block-table load stays in
     # the iteration and the compiler's pipeliner schedules it (an indirect load) stages ahead.
     # When a page holds whole key tiles (BLOCK_SIZE >= BLOCK_N) a tile needs one page number.
-    page = _tile_pages(bt_row, 0, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
-    for kt in range(0, n_full):
+    page = _tile_pages(bt_row, kt_lo * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
+    if HAS_WINDOW:
+        for kt in range(kt_lo, kt_win):
+            if not PREFETCH_PAGES:
+                page = _tile_pages(bt_row, kt * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
+            key = kt * BLOCK_N + offs_n
+            key_valid = (key < seq_len) & (key >= first_key)
+            k_off, v_off = _kv_offsets(page, key, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                                       BLOCK_SIZE, OFF32)
+            k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+            v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+            if PREFETCH_PAGES:
+                page = _tile_pages(bt_row, (kt + 1) * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
+            seen = (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window) & key_valid[None, :]
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, seen, PRECISION, True, True)
+    for kt in range(kt_win, kt_causal):
         if not PREFETCH_PAGES:
             page = _tile_pages(bt_row, kt * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         key = kt * BLOCK_N + offs_n
@@ -163,7 +200,7 @@ def _paged_prefill_kernel(
         if PREFETCH_PAGES:
             page = _tile_pages(bt_row, (kt + 1) * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, None, PRECISION, False)
-    for kt in range(n_full, n_all):
+    for kt in range(kt_causal, n_all):
         if not PREFETCH_PAGES:
             page = _tile_pages(bt_row, kt * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         key = kt * BLOCK_N + offs_n
@@ -175,7 +212,8 @@ def _paged_prefill_kernel(
         if PREFETCH_PAGES:
             page = _tile_pages(bt_row, (kt + 1) * BLOCK_N, offs_n, seq_len, BLOCK_SIZE, BLOCK_N)
         causal = (key[None, :] <= pos[:, None]) & key_valid[None, :]
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, causal, PRECISION, True)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, scale_log2e, causal, PRECISION, True,
+                                             HAS_WINDOW)
 
     # Rows past the chunk's end are never stored; keep their division finite anyway.
     l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -197,6 +235,7 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new tokens per sequence over the paged cache.
 
@@ -205,7 +244,9 @@ def paged_prefill_attention(
     (usually 0 and the cumulative query lengths; rows outside [query_start_loc[0],
     query_start_loc[-1]) are neither read nor written, and a sequence may have no new tokens); seq_lens int32 [num_seqs]: context length
     including this step's tokens, whose K/V are already in the cache. Query token i of sequence s
-    is at position seq_lens[s] - q_len_s + i. `scale` defaults to 1/sqrt(head_dim).
+    is at position seq_lens[s] - q_len_s + i. `scale` defaults to 1/sqrt(head_dim). With a
+    sliding `window` (tokens, >= 1; None: full attention) the token at position p attends to
+    positions p - window + 1 .. p only; key tiles before every row's window are not read.
 
     Returns out [total_query_tokens, num_heads, head_dim] in q's dtype (into `out` if given).
     Needs no scratch and no host sync, so it can be captured in a CUDA graph as is.
@@ -216,6 +257,8 @@ def paged_prefill_attention(
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError("query_start_loc must have num_seqs + 1 entries")
     cfg = config or prefill_config(head_dim, q.dtype)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1 token (or None), got {window}")
     if out is None:
         out = torch.empty_like(q)
     if total_tokens == 0 or num_seqs == 0:
@@ -229,10 +272,10 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_seqs,
+        num_seqs, window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PREFETCH_PAGES=cfg.prefetch_pages,
-        OFF32=offsets_fit_int32(k_cache, v_cache), PRECISION=DOT_PRECISION,
+        OFF32=offsets_fit_int32(k_cache, v_cache), PRECISION=DOT_PRECISION, HAS_WINDOW=window is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
