@@ -145,3 +145,11 @@ def rank_params_by_part(model, tensor_parallel_size: int) -> dict:
     for w in rank_weights(model, tensor_parallel_size):
         out[w.part] = out.get(w.part, 0) + w.params
     return out
+
+
+def rank_bytes_by_part(model, tensor_parallel_size: int) -> dict:
+    """Bytes of weights one rank holds, per model part (the checkpoint's quantization)."""
+    out: dict = {}
+    for w in rank_weights(model, tensor_parallel_size):
+        out[w.part] = out.get(w.part, 0) + tensor_bytes(w, model.quantization)
+    return out

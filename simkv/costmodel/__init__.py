@@ -45,6 +45,7 @@ def _effects(scenario, effects=None) -> tuple:
 def _load(scenario):
     choice = scenario.cost_model
     cache = scenario.cache
+    tp = getattr(scenario, "tensor_parallel_size", 1)   # > 1: the TP profile, or roofline
     if choice in ("auto", "profile") or (choice not in ("roofline",) and Path(choice).suffix):
         try:
             from simkv.costmodel.profiled import (BlockSizeNotProfiled, ProfiledCostModel,
@@ -58,12 +59,17 @@ def _load(scenario):
                 raise InputError(f"cost_model: {path} does not exist (auto, profile, roofline "
                                  "or a path to a fit.json)")
         elif find_profile is not None:
-            path = find_profile(scenario.gpu.name, scenario.model.name)
+            from simkv.parallel import profile_name
+            path = find_profile(scenario.gpu.name, profile_name(scenario.model.name, tp))
         if path is not None and find_profile is not None:
             try:
-                profiled = ProfiledCostModel.load(path, block_size=cache.block_size,
-                                                  kv_dtype=cache.kv_dtype, model=scenario.model,
-                                                  gpu=scenario.gpu, scheduler=scenario.scheduler)
+                if tp > 1:
+                    from simkv.costmodel.tensor_parallel import load_profiled
+                    profiled = load_profiled(path, scenario)
+                else:
+                    profiled = ProfiledCostModel.load(
+                        path, block_size=cache.block_size, kv_dtype=cache.kv_dtype,
+                        model=scenario.model, gpu=scenario.gpu, scheduler=scenario.scheduler)
                 return _serving_effects(profiled, scenario)
             except BlockSizeNotProfiled as e:
                 if choice != "auto":
@@ -73,7 +79,9 @@ def _load(scenario):
                 return fallback
         if choice == "profile":
             raise InputError(f"cost_model: profile: no profile for gpu {scenario.gpu.name} and "
-                             f"model {scenario.model.name} (use auto or roofline)")
+                             f"model {scenario.model.name}"
+                             + (f" at tensor_parallel_size {tp}" if tp > 1 else "")
+                             + " (use auto or roofline)")
     elif choice != "roofline":
         raise InputError(f"cost_model: unknown value {choice!r} (auto, profile, roofline, or a "
                          "path to a fit.json)")
@@ -109,6 +117,13 @@ def _roofline(scenario):
     calibration = load_calibration(scenario.gpu.name, profiles_dir())
     params = calibration["params"] if calibration else RooflineParams()
     params = replace(params, expert_skew=getattr(scenario, "expert_skew", 0.0))
+    if getattr(scenario, "tensor_parallel_size", 1) > 1:
+        from simkv.costmodel.tensor_parallel import roofline
+        model = roofline(scenario, params)
+        model.note = (f"{calibration['note'] if calibration else model.note}; "
+                      f"{model.tensor_parallel_size} GPUs per replica, collectives from "
+                      f"{model.collectives.allreduce.source}")
+        return model
     model = RooflineCostModel(scenario.model, scenario.gpu, scenario.cache.kv_dtype,
                               scenario.cache.block_size, params)
     if calibration:
