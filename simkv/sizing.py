@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from simkv import parallel
 from simkv import semantics as rules
+from simkv.kv_geometry import effective_block_size, kv_geometry
 from simkv.specs import GpuSpec, ModelSpec, profiles_dir
 from simkv.errors import InputError, read_json_object
 
@@ -140,6 +141,14 @@ class Sizing:
     # Tensor parallelism: every figure above is one GPU's (rank's); the replica's GPUs together
     # hold tensor_parallel_size times the bytes and blocks (replicated parts counted on each).
     tensor_parallel_size: int = 1
+    # KV cache groups (simkv.kv_geometry): per group its layers, attention type, window, bytes
+    # per token summed over its layers; one group for a model whose layers all keep full KV
+    kv_groups: list = field(default_factory=list)
+    page_bytes: int = 0            # one layer's block, the same in every group
+    layers_per_group: int = 0      # the pool's block is page_bytes x layers_per_group
+    max_model_len: int = 0
+    blocks_per_request: int = 0    # blocks a max_model_len request needs at most, all groups
+    max_concurrency: float = 0.0   # such requests the pool holds at once (vLLM's figure)
 
     @property
     def needed_bytes(self) -> int:
@@ -332,8 +341,16 @@ def size_pool(
         cache, scheduler = copy.copy(cache), copy.copy(scheduler)
         rules.resolve(rules.DEFAULT_SEMANTICS, cache, scheduler, gpu)
     tp = tensor_parallel_size
-    bytes_per_token = parallel.kv_bytes_per_token(model, cache.kv_dtype, tp)
-    bytes_per_block = bytes_per_token * cache.block_size
+    max_model_len = scheduler.max_model_len or model.max_position_embeddings
+    block_size = effective_block_size(model, gpu.name, cache.block_size, max_model_len)
+    # one rank's share: its KV heads (an MLA latent whole), its linear-attention heads
+    per_layer = parallel.kv_bytes_per_token(model, cache.kv_dtype, tp) \
+        // max(1, model.num_attention_layers)
+    geometry = kv_geometry(model, per_layer, block_size, max_model_len,
+                           model.linear_state_bytes() // tp)
+    # a full-attention model: one group of every layer, its bytes per token x block_size
+    bytes_per_block = geometry.bytes_per_block
+    bytes_per_token = geometry.bytes_per_token
     budget = memory_budget_bytes(gpu, cache)
 
     profile = read_profile_ledger(model, gpu, tp)
@@ -387,12 +404,17 @@ def size_pool(
         "kv_blocks_bytes": kv_blocks,
         "kv_pool_remainder_bytes": kv_pool - kv_blocks,
     }
+    pool_blocks = num_gpu_blocks if num_gpu_blocks is not None else num_blocks
+    per_request = geometry.blocks_per_request(max_model_len, scheduler.max_num_batched_tokens)
     return Sizing(
-        model=model.name, gpu=gpu.name, block_size=cache.block_size, kv_dtype=cache.kv_dtype,
+        model=model.name, gpu=gpu.name, block_size=block_size, kv_dtype=cache.kv_dtype,
         bytes_per_token=bytes_per_token, bytes_per_block=bytes_per_block,
         memory_budget_bytes=budget, weights_bytes=weights, activation_bytes=activation,
         other_bytes=other, kv_pool_bytes=kv_pool, num_blocks=num_blocks,
-        max_cached_tokens=num_blocks * cache.block_size, source=source, ledger=ledger,
+        # vLLM's "GPU KV cache size" (_report_kv_cache_config): a token takes a block slot in
+        # every group
+        max_cached_tokens=num_blocks // len(geometry.groups) * block_size, source=source,
+        ledger=ledger,
         num_host_blocks=int(cache.swap_space_gib * GIB) // bytes_per_block,
         ledger_file=ledger_file, num_gpu_blocks=num_gpu_blocks,
         total_params=model.num_params, active_params=model.active_params,
@@ -400,6 +422,10 @@ def size_pool(
         quantization=model.quantization.describe() if model.quantization else None,
         moe=moe_summary(model, scheduler, tp),
         tensor_parallel_size=tp,
+        kv_groups=[g.to_dict() for g in geometry.groups], page_bytes=geometry.page_bytes,
+        layers_per_group=geometry.group_size, max_model_len=max_model_len,
+        blocks_per_request=per_request,
+        max_concurrency=pool_blocks / per_request if per_request else 0.0,
     )
 
 
@@ -426,7 +452,14 @@ def fit_error(sizing: Sizing, max_model_len: Optional[int] = None) -> Optional[s
             + (" or more tensor-parallel GPUs (tensor_parallel_size)"
                if sizing.tensor_parallel_size < parallel.MAX_TENSOR_PARALLEL_SIZE else "")
         )
-    if max_model_len is not None and sizing.max_cached_tokens < max_model_len:
+    if len(sizing.kv_groups) > 1 and sizing.blocks_per_request > sizing.num_blocks:
+        return (
+            f"pool holds {sizing.num_blocks} blocks of {sizing.block_size} tokens; a "
+            f"max_model_len ({sizing.max_model_len}) request needs {sizing.blocks_per_request} "
+            "over its KV groups: lower scheduler.max_model_len or raise the budget"
+        )
+    if max_model_len is not None and sizing.max_cached_tokens < max_model_len \
+            and len(sizing.kv_groups) <= 1:
         return (
             f"pool holds {sizing.max_cached_tokens} tokens ({sizing.num_blocks} blocks of "
             f"{sizing.block_size}); max_model_len is {max_model_len}: lower "

@@ -15,20 +15,32 @@ from typing import Any, Optional
 
 
 from simkv.errors import InputError, read_json_object, read_yaml_mapping
-from simkv.weights import Experts, Quantization, Shape, layout, tensor_bytes
+from simkv.weights import (Experts, LinearAttention, Quantization, Shape, Vision, layout,
+                           tensor_bytes)
 
 DENSE_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
 )
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# `model_type` values simkv knows (a config whose model_type is another is refused: its layers
+# may keep KV in a way simkv would size wrongly)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "mixtral",
+               "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "qwen3_next")
+# `layer_types` entries: what each decoder layer keeps per sequence
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 # `quantization_config.quant_method` values simkv sizes (simkv.weights says how each stores)
 QUANT_METHODS = ("fp8", "awq", "gptq", "mxfp4")
@@ -89,17 +101,44 @@ class ModelSpec:
     qk_rope_head_dim: Optional[int] = None  #      elements per token and layer is the KV cache
     qk_head_dim: Optional[int] = None       # per-head query-key width (head_dim unless MLA)
     v_head_dim: Optional[int] = None        # per-head value width (head_dim unless MLA)
-    layer_types: Optional[tuple] = None     # config's `layer_types` (sliding/full), as given
-    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple] = None     # config's `layer_types`, as given
+    sliding_window: Optional[int] = None    # tokens a sliding_attention layer attends to
+    # what each layer keeps per sequence (LAYER_TYPES), from layer_types or the family's rule
+    attention_types: tuple = ()
+    linear_attention: Optional[LinearAttention] = None   # linear_attention layers' dimensions
+    model_type: Optional[str] = None
 
     # --- KV ------------------------------------------------------------------------------
-    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
-        """Bytes of KV cache one token occupies: K and V, every layer, every KV head (MLA: the
-        one compressed latent per layer, as vLLM stores it)."""
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with softmax attention (full or sliding window): those that keep KV per token."""
+        return sum(1 for t in self.attention_types if t != "linear_attention")
+
+    def kv_bytes_per_layer_token(self, kv_dtype: str = "bf16") -> int:
+        """Bytes one token occupies in one attention layer: K and V of every KV head (MLA: the
+        one compressed latent, as vLLM stores it)."""
         if self.kv_lora_rank is not None:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) \
-                * KV_DTYPE_BYTES[kv_dtype]
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[kv_dtype]
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * KV_DTYPE_BYTES[kv_dtype]
+        return 2 * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[kv_dtype]
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
+        """Bytes of KV cache one token occupies summed over the attention layers (a sliding-window
+        layer holds it while the token is in its window; linear-attention layers keep a state
+        per sequence instead, `linear_state_bytes`)."""
+        return self.num_attention_layers * self.kv_bytes_per_layer_token(kv_dtype)
+
+    def linear_state_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes of state one sequence keeps in one linear-attention layer (0 when none): the
+        convolution window and the recurrent matrix, both in the model dtype (vLLM's default
+        mamba_ssm_cache_dtype 'auto')."""
+        if self.linear_attention is None:
+            return 0
+        return sum(self.linear_attention.state_elements()) * dtype_bytes
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether layers keep KV in more than one way (vLLM: more than one KV cache group)."""
+        return len(set(self.attention_types)) > 1
 
     # --- parameters ----------------------------------------------------------------------
     @property
@@ -164,7 +203,7 @@ class ModelSpec:
         dense = self.active_params - embed * (1 if self.tie_word_embeddings else 2)
         qk = self.qk_head_dim or self.head_dim
         v = self.v_head_dim or self.head_dim
-        return 2.0 * dense, 2.0 * embed, 2.0 * self.num_layers * self.num_heads * (qk + v)
+        return 2.0 * dense, 2.0 * embed, 2.0 * self.num_attention_layers * self.num_heads * (qk + v)
 
 
 def count_params(architecture: str, shape: Shape) -> int:
@@ -230,9 +269,17 @@ def _experts(architecture: str, config: dict, path: Path, num_layers: int,
     if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
         num_experts = _int(config, "num_local_experts", path)
         width = intermediate_size
-    elif architecture == "Qwen3MoeForCausalLM":
+    elif architecture in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         num_experts = _int(config, "num_experts", path)
         width = _int(config, "moe_intermediate_size", path)
+        if architecture == "Qwen3NextForCausalLM":
+            # one shared expert per layer, of its own width (a whole number of expert widths)
+            shared_width = _int(config, "shared_expert_intermediate_size", path)
+            if shared_width % width:
+                raise InputError(f"{path}: field 'shared_expert_intermediate_size' "
+                                 f"({shared_width}) is not a multiple of moe_intermediate_size "
+                                 f"({width})")
+            shared = shared_width // width
         step = _int(config, "decoder_sparse_step", path, 1)
         dense = config.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(
@@ -241,7 +288,7 @@ def _experts(architecture: str, config: dict, path: Path, num_layers: int,
             raise InputError(f"{path}: field 'mlp_only_layers' must be a list of layer indices "
                              f"in [0, {num_layers}), got {dense!r}")
         layers = [i for i in layers if i not in dense and (i + 1) % step == 0]
-    else:                                                   # DeepseekV3ForCausalLM
+    else:                                                   # DeepSeek-V2, V3
         num_experts = _int(config, "n_routed_experts", path)
         width = _int(config, "moe_intermediate_size", path)
         shared = _int(config, "n_shared_experts", path, 0, minimum=0)
@@ -259,6 +306,90 @@ def _experts(architecture: str, config: dict, path: Path, num_layers: int,
         raise InputError(f"{path}: no layer is a mixture-of-experts layer (check "
                          "first_k_dense_replace / mlp_only_layers / decoder_sparse_step)")
     return Experts(num_experts, top_k, shared, width, len(layers), tuple(layers))
+
+
+def _attention_types(architecture: str, config: dict, path, num_layers: int) -> tuple:
+    """(what each layer keeps per sequence, the sliding window or None): `layer_types` when the
+    config lists them, else the family's rule. Qwen2/Qwen3 carry a `sliding_window` that only
+    counts with `use_sliding_window: true` (then layers from max_window_layers on slide, as
+    transformers' Qwen2Config builds its layer_types); a Llama/Mistral `sliding_window` applies to
+    every layer; Gemma 3 slides on all but every `sliding_window_pattern`-th layer; Qwen3-Next
+    has full attention on every `full_attention_interval`-th layer and linear attention
+    elsewhere."""
+    if config.get("layer_types") is not None:
+        types = _strings(config, "layer_types", path)
+        if len(types) != num_layers:
+            raise InputError(f"{path}: field 'layer_types' has {len(types)} entries, "
+                             f"num_hidden_layers is {num_layers}")
+        for i, t in enumerate(types):
+            if t not in LAYER_TYPES:
+                raise InputError(f"{path}: field 'layer_types' entry {i} is {t!r}, which simkv "
+                                 f"does not size (known: {', '.join(LAYER_TYPES)})")
+    elif architecture.startswith("Gemma3"):
+        pattern = _int(config, "sliding_window_pattern", path, 6)
+        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                      for i in range(num_layers))
+    elif architecture == "Qwen3NextForCausalLM":
+        interval = _int(config, "full_attention_interval", path, 4)
+        types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                      for i in range(num_layers))
+    elif architecture.startswith("Qwen") or architecture == "MixtralForCausalLM":
+        slides = _bool(config, "use_sliding_window", path, False) \
+            and config.get("sliding_window") is not None
+        first = _int(config, "max_window_layers", path, 0, minimum=0) if slides else num_layers
+        types = tuple("sliding_attention" if i >= first else "full_attention"
+                      for i in range(num_layers))
+    elif architecture in ("LlamaForCausalLM", "MistralForCausalLM") \
+            and config.get("sliding_window") is not None:
+        types = ("sliding_attention",) * num_layers
+    else:
+        types = ("full_attention",) * num_layers
+    window = None
+    if "sliding_attention" in types:
+        window = _int(config, "sliding_window", path)
+        if architecture in MLA_ARCHITECTURES:
+            raise InputError(f"{path}: sliding-window layers with MLA are not sized by simkv")
+    if "linear_attention" in types and architecture != "Qwen3NextForCausalLM":
+        raise InputError(f"{path}: 'linear_attention' layers are sized for Qwen3NextForCausalLM "
+                         f"only (their state shape is the architecture's), not {architecture}")
+    if "linear_attention" in types and "full_attention" not in types:
+        raise InputError(f"{path}: a model of linear-attention layers only is not sized by simkv")
+    return types, window
+
+
+def _linear_attention(config: dict, path) -> LinearAttention:
+    return LinearAttention(*(_int(config, k, path) for k in (
+        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim")))
+
+
+def _vision(config: dict, path) -> Optional[Vision]:
+    """Gemma 3's `vision_config` (a SigLIP tower), or None when the config has none."""
+    v = config.get("vision_config")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise InputError(f"{path}: field 'vision_config' must be an object, got {v!r}")
+    where = f"{path}: vision_config"
+    return Vision(*(_int(v, k, where) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "patch_size", "image_size")),
+        num_channels=_int(v, "num_channels", where, 3))
+
+
+def _text_config(config: dict, path) -> tuple:
+    """(the fields of the language model, where they are): Gemma 3's checkpoint nests them under
+    `text_config`; the architecture, quantization and dtype stay at the top."""
+    text = config.get("text_config")
+    if text is None:
+        return config, path
+    if not isinstance(text, dict):
+        raise InputError(f"{path}: field 'text_config' must be an object, got {text!r}")
+    merged = dict(text)
+    for key in ("architectures", "quantization_config", "torch_dtype", "dtype",
+                "tie_word_embeddings"):
+        if key in config and key not in text:
+            merged[key] = config[key]
+    return merged, f"{path}: text_config"
 
 
 def _quantization(config: dict, path: Path) -> Optional[Quantization]:
@@ -341,60 +472,70 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None,
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
 
-    num_layers = _int(config, "num_hidden_layers", path)
-    num_heads = _int(config, "num_attention_heads", path)
-    hidden_size = _int(config, "hidden_size", path)
-    intermediate_size = _int(config, "intermediate_size", path)
-    vocab_size = _int(config, "vocab_size", path)
-    max_position_embeddings = _int(config, "max_position_embeddings", path)
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise InputError(f"{path}: unknown model_type {model_type!r} (known: "
+                         f"{', '.join(MODEL_TYPES)}); simkv does not guess how its layers keep KV")
+    vision = _vision(config, path) if architecture.startswith("Gemma3") else None
+    top = config
+    config, where = _text_config(config, path)
+
+    num_layers = _int(config, "num_hidden_layers", where)
+    num_heads = _int(config, "num_attention_heads", where)
+    hidden_size = _int(config, "hidden_size", where)
+    intermediate_size = _int(config, "intermediate_size", where)
+    vocab_size = _int(config, "vocab_size", where)
+    max_position_embeddings = _int(config, "max_position_embeddings", where)
     # Configs without num_key_value_heads are plain multi-head attention (as transformers reads
     # them); a 0 is refused, never read as "absent".
-    num_kv_heads = _int(config, "num_key_value_heads", path, num_heads)
+    num_kv_heads = _int(config, "num_key_value_heads", where, num_heads)
     if "head_dim" in config and config["head_dim"] is not None:
-        head_dim = _int(config, "head_dim", path)
+        head_dim = _int(config, "head_dim", where)
     elif hidden_size % num_heads:
-        raise InputError(f"{path}: no 'head_dim', and hidden_size ({hidden_size}) is not a "
+        raise InputError(f"{where}: no 'head_dim', and hidden_size ({hidden_size}) is not a "
                          f"multiple of num_attention_heads ({num_heads})")
     else:
         head_dim = hidden_size // num_heads
     if num_heads % num_kv_heads != 0:
         raise InputError(
-            f"{path}: num_attention_heads ({num_heads}) is not a multiple of "
+            f"{where}: num_attention_heads ({num_heads}) is not a multiple of "
             f"num_key_value_heads ({num_kv_heads})"
         )
-    tie = _bool(config, "tie_word_embeddings", path, False)
+    tie = _bool(config, "tie_word_embeddings", where, architecture.startswith("Gemma3"))
     rope_scaling = config.get("rope_scaling")
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
-        raise InputError(f"{path}: field 'rope_scaling' must be an object or null, "
+        raise InputError(f"{where}: field 'rope_scaling' must be an object or null, "
                          f"got {rope_scaling!r}")
     torch_dtype = config.get("torch_dtype", config.get("dtype", "bfloat16"))
     if not isinstance(torch_dtype, str):
-        raise InputError(f"{path}: field 'torch_dtype' must be a string, got {torch_dtype!r}")
+        raise InputError(f"{where}: field 'torch_dtype' must be a string, got {torch_dtype!r}")
 
     mla: dict = {}
-    if architecture == "DeepseekV3ForCausalLM":
-        mla = {k: _int(config, k, path) for k in
+    if architecture in MLA_ARCHITECTURES:
+        mla = {k: _int(config, k, where) for k in
                ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
-        mla["q_lora_rank"] = _int(config, "q_lora_rank", path, None)
-    experts = _experts(architecture, config, path, num_layers, intermediate_size) \
+        mla["q_lora_rank"] = _int(config, "q_lora_rank", where, None)
+    experts = _experts(architecture, config, where, num_layers, intermediate_size) \
         if architecture in MOE_ARCHITECTURES else None
-    layer_types = None
-    if config.get("layer_types") is not None:
-        layer_types = _strings(config, "layer_types", path)
-        if len(layer_types) != num_layers:
-            raise InputError(f"{path}: field 'layer_types' has {len(layer_types)} entries, "
-                             f"num_hidden_layers is {num_layers}")
+    layer_types = _strings(config, "layer_types", where) \
+        if config.get("layer_types") is not None else None
+    attention_types, window = _attention_types(architecture, config, where, num_layers)
+    linear = _linear_attention(config, where) if "linear_attention" in attention_types else None
+    qwen3_next = architecture == "Qwen3NextForCausalLM"
     shape = Shape(
         num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
         vocab_size=vocab_size, tie_word_embeddings=tie,
-        attention_bias=_bool(config, "attention_bias", path, False),
-        mlp_bias=_bool(config, "mlp_bias", path, False), experts=experts, **mla)
+        attention_bias=_bool(config, "attention_bias", where, False),
+        mlp_bias=_bool(config, "mlp_bias", where, False), experts=experts,
+        attention_layers=sum(1 for t in attention_types if t != "linear_attention"),
+        linear=linear, attn_output_gate=qwen3_next, vision=vision,
+        shared_expert_gate=qwen3_next, **mla)
     weights = tuple(layout(architecture, shape))
 
     if name is None:
         name = path.parent.name if path.name == "config.json" else path.stem
-    quantization = _quantization(config, path)
+    quantization = _quantization(top, path)
     if weights_dtype is not None:
         as_stored = quantization.weights_dtype if quantization else "bf16"
         quantization = quantization_for(weights_dtype, name, experts is not None)
@@ -413,9 +554,9 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None,
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=_number(config, "rope_theta", path, 10000.0),
+        rope_theta=_number(config, "rope_theta", where, 10000.0),
         rope_scaling=rope_scaling,
-        rms_norm_eps=_number(config, "rms_norm_eps", path, 1e-6),
+        rms_norm_eps=_number(config, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=tie,
         num_params=sum(w.params for w in weights),
         torch_dtype=torch_dtype,
@@ -428,8 +569,10 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None,
         qk_head_dim=(mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]) if mla else None,
         v_head_dim=mla.get("v_head_dim"),
         layer_types=layer_types,
-        sliding_window=_int(config, "sliding_window", path, None)
-        if architecture == "GptOssForCausalLM" else None,
+        sliding_window=window,
+        attention_types=attention_types,
+        linear_attention=linear,
+        model_type=model_type,
     )
 
 

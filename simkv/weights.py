@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 # Parts of a decoder. Routed experts are the ones a token uses only top_k of.
-PARTS = ("embedding", "attention", "mlp", "router", "shared_expert", "expert", "norm", "lm_head")
+PARTS = ("embedding", "attention", "mlp", "router", "shared_expert", "expert", "norm", "lm_head",
+         "vision")
 LINEAR_PARTS = ("attention", "mlp", "shared_expert", "expert")   # quantizable matrices
 MODEL_DTYPE_BYTES = 2            # bf16 (fp16 likewise); what vLLM serves unquantized weights in
 MXFP4_BLOCK = 32                 # elements sharing one E8M0 scale byte (OCP MX format)
@@ -140,17 +141,101 @@ class Experts:
     moe_layers: tuple = field(default=(), compare=False)   # their indices
 
 
+@dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's dimensions (Qwen3-Next's linear attention): the state it keeps per
+    sequence is a causal-convolution window over its q/k/v projections and a recurrent
+    key-by-value matrix per value head."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q and k (key_dim each) and v (value_dim)."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_elements(self) -> tuple:
+        """(convolution state, recurrent state) elements one sequence keeps per layer: the last
+        conv_kernel_size - 1 inputs of every channel, and value heads x key dim x value dim
+        (vLLM's MambaStateShapeCalculator.gated_delta_net_state_shape, tensor parallel size 1)."""
+        return (self.conv_dim * (self.conv_kernel_size - 1),
+                self.num_value_heads * self.key_head_dim * self.value_head_dim)
+
+
+@dataclass(frozen=True)
+class Vision:
+    """A SigLIP vision tower and the projector into the text model (Gemma 3)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    patch_size: int
+    image_size: int
+    num_channels: int = 3
+
+
 def layout(arch: str, c: "Shape") -> list:
     """Every weight of a model of architecture `arch` with the shape `c`, as Weight groups."""
     out: list = [Weight("model.embed_tokens", "embedding", c.vocab_size, c.hidden_size, 1)]
     out += _attention(arch, c)
+    if c.linear is not None:
+        out += _linear_attention(c)
     out += _feed_forward(arch, c)
     L, H = c.num_layers, c.hidden_size
-    out.append(Weight("model.layers.*.norms", "norm", 1, 2 * H, L, is_matrix=False))
+    # Gemma 3 normalises before and after both attention and the MLP
+    norms = 4 if arch.startswith("Gemma3") else 2
+    out.append(Weight("model.layers.*.norms", "norm", 1, norms * H, L, is_matrix=False))
     out.append(Weight("model.norm", "norm", 1, H, 1, is_matrix=False))
     if not c.tie_word_embeddings:
         out.append(Weight("lm_head", "lm_head", c.vocab_size, H, 1))
+    if c.vision is not None:
+        out += _vision(c.vision, H)
     return out
+
+
+def _vision(v: Vision, text_hidden: int) -> list:
+    """A SigLIP encoder (patch and position embeddings, pre-norm layers of attention with biases
+    and a two-matrix MLP, a final norm) and Gemma 3's projector (a norm and one matrix)."""
+    p, h, i, n = "vision_tower.", v.hidden_size, v.intermediate_size, v.num_layers
+    patches = (v.image_size // v.patch_size) ** 2
+    return [
+        Weight(p + "patch_embedding", "vision", h, v.num_channels * v.patch_size ** 2 + 1, 1),
+        Weight(p + "position_embedding", "vision", patches, h, 1, is_matrix=False),
+        Weight(p + "layers.*.attn", "vision", 4 * h, h + 1, n),
+        Weight(p + "layers.*.mlp.fc1", "vision", i, h + 1, n),
+        Weight(p + "layers.*.mlp.fc2", "vision", h, i + 1, n),
+        Weight(p + "layers.*.layer_norms", "vision", 1, 4 * h, n, is_matrix=False),
+        Weight(p + "post_layernorm", "vision", 1, 2 * h, 1, is_matrix=False),
+        Weight("multi_modal_projector.mm_soft_emb_norm", "vision", 1, h, 1, is_matrix=False),
+        Weight("multi_modal_projector.mm_input_projection", "vision", h, text_hidden, 1),
+    ]
+
+
+def _linear_attention(c: "Shape") -> list:
+    """Gated DeltaNet layers (Qwen3-Next): q/k/v/z and b/a projections, a depthwise convolution,
+    per-head decay and step parameters, a gated norm and the output projection."""
+    g, H, n = c.linear, c.hidden_size, c.num_layers - c.num_attention_layers
+    p = "model.layers.*.linear_attn."
+    return [
+        Weight(p + "in_proj_qkvz", "attention", 2 * g.key_dim + 2 * g.value_dim, H, n),
+        Weight(p + "in_proj_ba", "attention", 2 * g.num_value_heads, H, n),
+        Weight(p + "conv1d", "attention", g.conv_dim, g.conv_kernel_size, n, is_matrix=False),
+        Weight(p + "dt_bias+A_log", "attention", 1, 2 * g.num_value_heads, n, is_matrix=False),
+        Weight(p + "norm", "norm", 1, g.value_head_dim, n, is_matrix=False),
+        Weight(p + "out_proj", "attention", H, g.value_dim, n),
+    ]
 
 
 @dataclass(frozen=True)
@@ -168,16 +253,26 @@ class Shape:
     attention_bias: bool = False
     mlp_bias: bool = False
     experts: Optional[Experts] = None
-    # MLA (DeepSeek-V3)
+    # hybrids: the layers with softmax attention (the rest are linear attention)
+    attention_layers: Optional[int] = None
+    linear: Optional[LinearAttention] = None
+    attn_output_gate: bool = False           # Qwen3-Next: q_proj also gives a gate per head
+    vision: Optional[Vision] = None
+    shared_expert_gate: bool = False         # Qwen3-Next: a sigmoid gate on the shared expert
+    # MLA (DeepSeek-V2, V3)
     q_lora_rank: Optional[int] = None
     kv_lora_rank: Optional[int] = None
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
 
+    @property
+    def num_attention_layers(self) -> int:
+        return self.num_layers if self.attention_layers is None else self.attention_layers
+
 
 def _attention(arch: str, c: Shape) -> list:
-    L, H = c.num_layers, c.hidden_size
+    L, H = c.num_attention_layers, c.hidden_size
     p = "model.layers.*.self_attn."
     if c.kv_lora_rank is not None:                       # MLA
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -197,7 +292,8 @@ def _attention(arch: str, c: Shape) -> list:
             Weight(p + "o_proj", "attention", H, c.num_heads * c.v_head_dim, L),
         ]
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    out = [Weight(p + "q_proj", "attention", q_out, H, L),
+    gate = 2 if c.attn_output_gate else 1
+    out = [Weight(p + "q_proj", "attention", gate * q_out, H, L),
            Weight(p + "k_proj", "attention", kv_out, H, L),
            Weight(p + "v_proj", "attention", kv_out, H, L),
            Weight(p + "o_proj", "attention", H, q_out, L)]
@@ -206,7 +302,8 @@ def _attention(arch: str, c: Shape) -> list:
         out.append(Weight(p + "qkv.bias", "attention", 1, q_out + 2 * kv_out, L, is_matrix=False))
     if c.attention_bias:
         out.append(Weight(p + "o_proj.bias", "attention", 1, H, L, is_matrix=False))
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") \
+            or arch.startswith("Gemma3"):
         out.append(Weight(p + "q_norm+k_norm", "norm", 1, 2 * c.head_dim, L, is_matrix=False))
     if arch == "GptOssForCausalLM":
         out.append(Weight(p + "sinks", "attention", 1, c.num_heads, L, is_matrix=False))
@@ -247,7 +344,7 @@ def _feed_forward(arch: str, c: Shape) -> list:
                        is_matrix=False),
                 Weight(p + "experts.down_proj", "expert", H, I, count),
                 Weight(p + "experts.down_proj_bias", "expert", 1, H, count, is_matrix=False)]
-    else:                                       # Qwen3-MoE, DeepSeek-V3
+    else:                                       # Qwen3-MoE, Qwen3-Next, DeepSeek-V2/V3
         p = "model.layers.*.mlp."
         out += [Weight(p + "gate", "router", e.num_experts, H, n),
                 Weight(p + "experts.*.gate_proj", "expert", I, H, count),
@@ -261,4 +358,6 @@ def _feed_forward(arch: str, c: Shape) -> list:
             out += [Weight(p + "shared_experts.gate_proj", "shared_expert", shared, H, n),
                     Weight(p + "shared_experts.up_proj", "shared_expert", shared, H, n),
                     Weight(p + "shared_experts.down_proj", "shared_expert", H, shared, n)]
+        if c.shared_expert_gate:
+            out.append(Weight(p + "shared_expert_gate", "router", 1, H, n))
     return out

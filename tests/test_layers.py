@@ -14,12 +14,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "simkv"
 
-BASE = {"errors", "_version", "semantics"}
+BASE = {"errors", "_version", "semantics", "kv_geometry"}
 # package (first component under simkv) -> the packages it may import besides itself
 ALLOWED = {
     "errors": set(),
     "_version": set(),
     "semantics": set(),
+    "kv_geometry": set(),         # how layers share the KV pool (vLLM's groups), from a spec
     "launch_policy": set(),
     "weights": set(),             # the tensors a checkpoint holds (simkv.specs builds on it)
     "specs": BASE | {"weights"},

@@ -117,8 +117,8 @@ def test_mla_caches_one_latent_per_token_and_layer():
     assert load_model("deepseek-v3").kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2 == 70_272
 
 
-def test_gpt_oss_kv_counts_every_layer_as_full_attention():
-    # its 12 sliding-window layers are sized as full ones until window groups exist
+def test_gpt_oss_kv_per_token_sums_its_24_attention_layers():
+    # a token held by every layer (the pool's groups: tests/test_sizing_groups.py)
     assert load_model("gpt-oss-20b").kv_bytes_per_token("bf16") == 2 * 24 * 8 * 64 * 2
 
 

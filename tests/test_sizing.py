@@ -89,7 +89,8 @@ def test_num_blocks_is_the_pool_divided_by_block_bytes(model, gpu):
     # one of the pool's blocks is vLLM's null block (semantics vllm-0.26)
     assert s.num_gpu_blocks == s.kv_pool_bytes // s.bytes_per_block
     assert s.num_blocks == s.num_gpu_blocks - 1
-    assert s.max_cached_tokens == s.num_blocks * s.block_size
+    # a token takes a slot in every KV group (one for a full-attention model)
+    assert s.max_cached_tokens == s.num_blocks // len(s.kv_groups) * s.block_size
 
 
 @pytest.mark.parametrize("model, gpu", FITTING)
@@ -170,7 +171,8 @@ def test_to_dict_has_the_keys_of_size_json():
         "memory_budget_bytes", "weights_bytes", "activation_bytes", "other_bytes",
         "kv_pool_bytes", "num_blocks", "max_cached_tokens", "source", "ledger", "num_host_blocks",
         "ledger_file", "num_gpu_blocks", "total_params", "active_params", "weights_dtype",
-        "quantization",
+        "quantization", "kv_groups", "page_bytes", "layers_per_group", "max_model_len",
+        "blocks_per_request", "max_concurrency",
     ]
 
 

@@ -43,11 +43,11 @@ def write_config(folder: Path, **changes) -> Path:
     return path
 
 
-def test_bundled_models_are_the_twelve_documented_ones():
+def test_bundled_models_are_the_fifteen_documented_ones():
     assert bundled_models() == [
-        "deepseek-v3", "gpt-oss-20b", "llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b",
-        "llama-3.2-3b", "mistral-7b-v0.3", "mixtral-8x7b-v0.1", "qwen2.5-7b", "qwen3-30b-a3b",
-        "qwen3-32b", "tiny",
+        "deepseek-v2-lite", "deepseek-v3", "gemma-3-27b", "gpt-oss-20b", "llama-3.1-70b",
+        "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "mixtral-8x7b-v0.1",
+        "qwen2.5-7b", "qwen3-30b-a3b", "qwen3-32b", "qwen3-next-80b-a3b", "tiny",
     ]
 
 
@@ -119,10 +119,10 @@ def test_missing_field_is_rejected_naming_file_and_field(tmp_path):
 
 
 def test_unsupported_architecture_is_rejected_listing_the_supported_ones(tmp_path):
-    path = write_config(tmp_path / "gemma", architectures=["Gemma3ForCausalLM"])
+    path = write_config(tmp_path / "phi", architectures=["Phi3ForCausalLM"])
     with pytest.raises(InputError) as e:
         load_model(str(path))
-    assert "unsupported architecture 'Gemma3ForCausalLM'" in str(e.value)
+    assert "unsupported architecture 'Phi3ForCausalLM'" in str(e.value)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(e.value)
 

@@ -33,6 +33,9 @@ def size(
     tensor_parallel_size: int = typer.Option(
         1, "--tensor-parallel-size", "--tp",
         help="GPUs one replica is split over (1..16); figures are per GPU, *_total beside."),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len",
+        help="Tokens per request for the maximum concurrency; default: the model's context."),
     as_json: bool = typer.Option(False, "--json", help="Print the sizing as JSON."),
 ) -> None:
     """KV sizing arithmetic and pool size for a model on a GPU (per GPU of a TP replica)."""
@@ -58,7 +61,10 @@ def size(
     cache = CacheConfig(block_size=block_size, kv_dtype=kv_dtype,
                         gpu_memory_utilization=gpu_memory_utilization,
                         memory_budget_gib=memory_budget_gib)
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    if max_model_len is not None and max_model_len <= 0:
+        raise InputError(f"--max-model-len: must be > 0, got {max_model_len}")
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len)
     gpu_spec = load_gpu(gpu)
     rules.resolve(semantics, cache, scheduler, gpu_spec)
     from simkv import parallel
@@ -66,6 +72,9 @@ def size(
     problem = parallel.check(spec, tensor_parallel_size)
     if problem:
         raise InputError(f"--tensor-parallel-size: {problem}")
+    if max_model_len is not None and max_model_len > spec.max_position_embeddings:
+        raise InputError(f"--max-model-len: {max_model_len} exceeds {spec.name}'s "
+                         f"max_position_embeddings ({spec.max_position_embeddings})")
     sizing = size_pool(spec, gpu_spec, cache, scheduler, tensor_parallel_size)
     problem = fit_error(sizing)
     if problem:
@@ -116,6 +125,18 @@ def _print_sizing(sizing) -> None:
             f" usable of {sizing.num_gpu_blocks:,} (one is vLLM's null block)"
             if sizing.num_gpu_blocks is not None else "")),
         ("max cached tokens", f"{sizing.max_cached_tokens:,}"),
+    ]
+    if len(sizing.kv_groups) > 1:
+        rows.append(("KV groups", f"{len(sizing.kv_groups)} of {sizing.layers_per_group} layers, "
+                     f"page {sizing.page_bytes:,} B per layer"))
+        for g in sizing.kv_groups:
+            kind = g["attention_type"] + (f" (window {g['window']})" if g["window"] else "")
+            per = (f"{g['state_bytes']:,} B state per sequence" if g["attention_type"] == "linear"
+                   else f"{g['bytes_per_token']:,} B per token")
+            rows.append((f"  group {g['group']}", f"{kind}, {g['num_layers']} layers, {per}"))
+    rows += [
+        (f"max concurrency at {sizing.max_model_len:,} tokens",
+         f"{sizing.max_concurrency:.2f} ({sizing.blocks_per_request:,} blocks per request)"),
         ("source", sizing.source),
     ]
     if tp > 1:

@@ -23,6 +23,7 @@ from simkv.config.validate import (CHOICES, COST_MODEL_KEYWORDS, GPU_CLOCK_CHOIC
                                    looks_like_path, resolve_path)
 from simkv.config.yaml_file import read_yaml
 from simkv.errors import InputError
+from simkv.kv_geometry import effective_block_size
 from simkv.sizing import fit_error, size_pool
 from simkv.specs import load_gpu, load_model
 
@@ -144,6 +145,21 @@ def _expert_skew(v: Validator, raw: dict[str, Any]) -> float:
     return float(skew)
 
 
+def _check_kv_groups(v: Validator, model, gpu, cache, scheduler) -> None:
+    """The block size vLLM runs the model with (as vLLM's config does it, in place: MLA on Hopper,
+    linear-attention hybrids; simkv.kv_geometry), and the features a hybrid's KV groups lack."""
+    cache.block_size = effective_block_size(model, gpu.name, cache.block_size,
+                                            scheduler.max_model_len)
+    if not model.is_hybrid:
+        return
+    if cache.allocator == "contiguous":
+        v.fail("cache.allocator", f"{model.name} keeps KV in several groups (hybrid); only the "
+               "paged allocator models them")
+    if scheduler.parallel_sampling == "fork":
+        v.fail("scheduler.parallel_sampling", f"{model.name} keeps KV in several groups "
+               "(hybrid); forked samples are not modelled for them: use fanout (vllm-0.26)")
+
+
 def load_scenario(
     path_or_dict: str | Path | dict[str, Any],
     overrides: Optional[dict[str, Any]] = None,
@@ -184,6 +200,7 @@ def load_scenario(
     problem = parallel.check(model, tp)
     if problem:
         v.fail("tensor_parallel_size", problem)
+    _check_kv_groups(v, model, gpu, cache, scheduler)
     problem = fit_error(size_pool(model, gpu, cache, scheduler, tp), scheduler.max_model_len)
     if problem:
         raise InputError(f"{source}: {problem}")
