@@ -2,7 +2,9 @@
 
 RMSNorm, RoPE (rope_scaling: default, linear, llama3), grouped-query attention through the paged
 kernels or their torch reference (`simkv.gpu.attention`), SwiGLU MLP;
-Qwen2's q/k/v biases and Qwen3's per-head q/k norms. Nothing is downloaded: weights are drawn
+Qwen2's q/k/v biases and Qwen3's per-head q/k norms; Qwen3-MoE's and Mixtral's routed experts in
+place of the MLP on their MoE layers (`simkv.gpu.moe`: the fused grouped GEMMs with the Triton
+backend, the plain torch loop with the reference one). Other MoE families are refused. Nothing is downloaded: weights are drawn
 from a seeded generator on the target device, scaled so that activations stay O(1) through the
 layers (projections ~ 1/sqrt(fan_in); the two projections that write into the residual stream
 are further scaled by 1/sqrt(2 * num_layers)).
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from simkv.gpu.attention import AttentionMetadata, make_attention
+from simkv.gpu.moe import fused_moe, reference_moe, route, router_config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +145,8 @@ class LayerWeights:
     qkv_bias: Optional[torch.Tensor] = None   # Qwen2
     q_norm: Optional[torch.Tensor] = None     # Qwen3: [D]
     k_norm: Optional[torch.Tensor] = None
+    router: Optional[torch.Tensor] = None     # MoE layers: [E, hidden]; gate_up [E, 2 I, hidden]
+                                              # and down [E, hidden, I] are the experts'
 
 
 class LlamaModel:
@@ -159,6 +164,7 @@ class LlamaModel:
         self.head_dim = spec.head_dim
         self.hidden_size = spec.hidden_size
         self.eps = float(spec.rms_norm_eps)
+        self.router_cfg = router_config(spec) if spec.is_moe else None
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         self.inv_freq = rope_inv_freq(spec).to(device=self.device, dtype=compute)
         self._init_weights(seed)
@@ -179,19 +185,26 @@ class LlamaModel:
         ones = lambda n: torch.ones(n, device=self.device, dtype=self.dtype)  # noqa: E731
         self.embed = self._randn(seed, "embed", (s.vocab_size, hidden), 1.0)
         self.layers = []
+        moe_layers = set(s.experts.moe_layers) if s.is_moe else set()
         for i in range(s.num_layers):
             p = f"layers.{i}."
+            # an MoE layer's experts: (E, I) stacked; a dense layer's MLP: one of width inter
+            experts = (s.experts.num_experts,) if i in moe_layers else ()
+            width = s.experts.expert_intermediate_size if i in moe_layers else inter
             layer = LayerWeights(
                 input_norm=ones(hidden),
                 qkv=self._randn(seed, p + "qkv", ((H + 2 * KH) * D, hidden), hidden ** -0.5),
                 o=self._randn(seed, p + "o", (hidden, H * D), (H * D) ** -0.5 * residual_scale),
                 post_norm=ones(hidden),
-                gate_up=self._randn(seed, p + "gate_up", (2 * inter, hidden), hidden ** -0.5),
-                down=self._randn(seed, p + "down", (hidden, inter), inter ** -0.5 * residual_scale),
+                gate_up=self._randn(seed, p + "gate_up", (*experts, 2 * width, hidden), hidden ** -0.5),
+                down=self._randn(seed, p + "down", (*experts, hidden, width),
+                                 width ** -0.5 * residual_scale),
             )
+            if experts:
+                layer.router = self._randn(seed, p + "router", (experts[0], hidden), hidden ** -0.5)
             if s.architecture == "Qwen2ForCausalLM":
                 layer.qkv_bias = self._randn(seed, p + "qkv_bias", ((H + 2 * KH) * D,), 0.1)
-            if s.architecture == "Qwen3ForCausalLM":
+            if s.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
                 layer.q_norm, layer.k_norm = ones(D), ones(D)
             self.layers.append(layer)
         self.final_norm = ones(hidden)
@@ -270,6 +283,14 @@ class LlamaModel:
             return out
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
+    def _feed_forward(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """The dense SwiGLU MLP, or on a MoE layer the routed experts."""
+        if layer.router is None:
+            return F.linear(self._silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+        weights, ids = route(h, layer.router, self.router_cfg)
+        experts = fused_moe if self.fused else reference_moe
+        return experts(h, layer.gate_up, layer.down, weights, ids)
+
     # -- forward ------------------------------------------------------------------------------
     def _attention(self, i: int, layer: LayerWeights, h, positions, meta: AttentionMetadata,
                    caches) -> torch.Tensor:
@@ -315,7 +336,7 @@ class LlamaModel:
         for i, layer in enumerate(layers):
             a = self._attention(i, layer, h, positions, meta, caches)
             x, h = self._norm(x, layer.post_norm, a)
-            m = F.linear(self._silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            m = self._feed_forward(layer, h)
             x, h = self._norm(x, layers[i + 1].input_norm if i + 1 < len(layers)
                               else self.final_norm, m)
         if check_finite and not bool(torch.isfinite(h).all()):
