@@ -1,13 +1,18 @@
-"""What the cluster layer costs: a 16-replica round-robin fleet against its 16 partitions
-simulated one after another, in one process, CPU seconds (time.process_time), alternated.
+"""What the cluster layer costs: a 16-replica fleet against its 16 partitions simulated one
+after another, in one process, CPU seconds (time.process_time), alternated.
 
     python benchmarks/fleet_overhead.py [--replicas 16] [--speedup 16] [--limit N] [--rounds 3]
+                                        [--router round_robin|least_requests|...]
 
 The fleet serves the Azure conversation trace at `--speedup` x its recorded rate; each
-partition is the requests round robin sends to one replica, simulated alone with the same
-scenario. Both sides take the same path (decode runs); construction (cost models, pools) is
-outside the timing, the run and its result frames inside. The replicas' results equal the
-partitions' (tests/test_fleet.py), so the difference is the layer's own time.
+partition is the requests the router sent to one replica, simulated alone with the same
+scenario. Both sides take the same path (decode runs where the router allows them);
+construction (cost models, pools) is outside the timing, the run and its result frames inside.
+Under round robin (and random) the replicas cannot see one another and the fleet runs each on
+its own clock, one after another; under a router that reads the replicas' state they share one
+clock, step by step interleaved, and the partitions are taken from the fleet's own assignment
+(its `replica` column). The replicas' results equal the partitions' under round robin
+(tests/test_fleet.py), so the difference is the layer's own time.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ def main() -> int:
     ap.add_argument("--speedup", type=float, default=16.0)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--router", default="round_robin")
     args = ap.parse_args()
     if not TRACE.exists():
         print(f"shared trace absent: {TRACE}")
@@ -43,10 +49,17 @@ def main() -> int:
            "scheduler": {"max_model_len": 16384},
            "workload": {"trace": str(TRACE), "format": "azure",
                         "time_scale": 1 / args.speedup, "limit": args.limit},
-           "cluster": {"pools": [{"name": "h200", "replicas": args.replicas}]}}
+           "cluster": {"pools": [{"name": "h200", "replicas": args.replicas}],
+                       "router": {"policy": args.router}}}
     scn = load_scenario(raw)
     frame = load_requests_frame(scn)
-    picks = assign("round_robin", frame["arrival_s"].tolist(), args.replicas, scn.seed)
+    if args.router in ("round_robin", "random"):
+        picks = assign(args.router, frame["arrival_s"].tolist(), args.replicas, scn.seed)
+    else:   # the assignment the fleet itself makes
+        routed = Fleet(scn, frame).run().requests.sort_values("request_id")
+        index = {name: i for i, name in enumerate(f"h200-{k}" for k in range(args.replicas))}
+        by_id = dict(zip(routed["request_id"], routed["replica"].map(index)))
+        picks = [by_id[rid] for rid in frame["request_id"]]
     parts = [frame[[p == i for p in picks]].reset_index(drop=True)
              for i in range(args.replicas)]
     pool = scn.cluster.pools[0].scenario
@@ -64,7 +77,8 @@ def main() -> int:
         print(f"fleet {fleet_s[-1]:.2f} s, partitions {parts_s[-1]:.2f} s, "
               f"ratio {fleet_s[-1] / parts_s[-1]:.3f}", flush=True)
     f, p = statistics.median(fleet_s), statistics.median(parts_s)
-    print(f"{len(frame)} requests, {args.replicas} replicas at {args.speedup:g}x: median fleet "
+    print(f"{len(frame)} requests, {args.replicas} replicas at {args.speedup:g}x, "
+          f"{args.router}: median fleet "
           f"{f:.2f} CPU s, partitions {p:.2f} CPU s, ratio {f / p:.3f}")
     return 0
 

@@ -7,6 +7,7 @@ import pytest
 
 from simkv.cli import run_cli
 from simkv.config.scenario import load_scenario
+from simkv.engine.decode_run import DecodeRun
 from simkv.engine.results import csv_text
 from simkv.errors import InputError
 from simkv.sim.cluster.router import assign
@@ -93,13 +94,28 @@ def test_round_robin_replicas_are_separate_runs_of_their_requests(policy):
     assert len(total["pools"]) == 1 and total["pools"][0]["requests_total"] == 240
 
 
-@pytest.mark.parametrize("policy", ["least_requests", "prefix_affinity", "kv_aware"])
-def test_a_state_dependent_router_gives_the_step_by_step_results(policy):
-    raw = {**scenario(num_requests=200, rate=50.0), "cluster": cluster(3, policy)}
+@pytest.mark.parametrize("policy,refresh_s", [
+    ("least_requests", 0), ("least_kv", 0), ("least_kv", 0.05), ("prefix_affinity", 0),
+    ("kv_aware", 0)])
+def test_a_state_dependent_router_gives_the_step_by_step_results(policy, refresh_s,
+                                                                  monkeypatch):
+    raw = {**scenario(num_requests=200, rate=20.0, cancel_fraction=0.1),
+           "cluster": cluster(3, policy, refresh_s=refresh_s)}
     scn = load_scenario(raw)
-    fast, exact = simulate(scn), simulate(scn, exact=True)
+    runs = []
+    commit = DecodeRun.commit
+    monkeypatch.setattr(DecodeRun, "commit",
+                        lambda self, ends, rec: (runs.append(len(ends) - 1),
+                                                 commit(self, ends, rec)))
+    fast = simulate(scn)
+    took = list(runs)
+    exact = simulate(scn, exact=True)
     assert csv_text(fast.requests) == csv_text(exact.requests)
     assert csv_text(fast.steps) == csv_text(exact.steps)
+    assert fast.summary["replicas"] == exact.summary["replicas"]
+    # every router but kv_aware keeps decode runs between the fleet's arrivals
+    assert (sum(took) > 0.2 * len(fast.steps)) == (policy != "kv_aware"), sum(took)
+    assert len(runs) == len(took)          # the exact run takes none
 
 
 def test_least_requests_spreads_requests_more_evenly_than_random():

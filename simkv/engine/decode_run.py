@@ -23,9 +23,11 @@ blocks fill, the waiting one's hits grow and it may fit
 (tests/test_multiturn.py::test_no_decode_run_while_a_later_turn_waits_on_a_live_one).
 
 Fleets: a run is planned to a horizon the driver gives (the next event that can reach this
-replica) and committed once its time has passed, so nothing outside the replica sees its state
-mid-run; an arrival routed to the replica inside a run needs the run cut at the step boundary
-after it (times and clock states kept per step), not yet written.
+replica: under a router that reads replica state, the fleet's next arrival) and committed once
+its time has passed; what a router reads of a replica inside a run is what the steps one by one
+would show (simkv.sim.cluster.fleet). Cutting a run where an arrival is routed to the replica
+(so that runs could outlast the fleet's arrivals) would need the steps' times and clock states
+kept per step: not written.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class Executor(Protocol):
 
 
 def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_step=None,
-          decode_runs: bool = False, async_scheduling: bool = False):
+          decode_runs: bool = False, async_scheduling: bool = False, on_run=None):
     """Serve until the driver says nothing more will arrive (module doc for the protocol).
 
     `recorder` observes each plan before it runs and records it after (start, duration);
@@ -61,7 +61,8 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
     decode run); `on_step(plan, end_s)` is called after each step (each decode run);
     `decode_runs` takes decode runs together where the executor can time them;
     `async_scheduling` schedules each step as the one before it starts (module doc), without
-    decode runs."""
+    decode runs; `on_run(run, steps)` is called as a decode run of `steps` steps starts and
+    `on_run(None, 0)` once it has been committed (a fleet's router counts its blocks)."""
     kv = scheduler.kv
     runs = getattr(executor, "run_seconds", None) if decode_runs and not async_scheduling \
         else None
@@ -95,11 +96,15 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
             ends = [now]
             for s in seconds:               # as the driver's clock adds them, step by step
                 ends.append(ends[-1] + s)
+            if on_run is not None:
+                on_run(run, len(seconds))
             for delay in hops(ends):
                 end = yield delay
             if end != ends[-1]:
                 raise RuntimeError(f"decode run: the clock reads {end!r}, not {ends[-1]!r}")
             run.commit(ends, recorder)      # at the end, as each step finishes at its end
+            if on_run is not None:
+                on_run(None, 0)
             step_done(plan)
             if check_integrity:
                 kv.check_integrity()

@@ -10,12 +10,16 @@ replica):
   computed before the run; each replica gets its own arrival process over its own requests
   and its horizon is its own next arrival or cancellation, so a replica runs exactly as a
   separate run of its requests would (tests/test_fleet.py) and as fast;
+  (they cannot see one another, so each runs on its own clock, one after another);
 - the other routers choose at each arrival from the replicas' state: one arrival process
-  routes every request and the horizon is the next event anywhere in the fleet (nothing
-  routed reaches a replica inside a run). A decode run commits its blocks at its end, so under
-  the routers that read KV usage (least_kv, kv_aware) the replicas take every step one by one
-  and the router sees each step's state; the request counts that least_requests and
-  prefix_affinity read do not change inside a run.
+  routes every request, and a replica's horizon is the fleet's next arrival (any one may be
+  routed to it), its own next cancellation or the routers' next refresh, so nothing reaches a
+  replica inside a run. What a router reads inside a run is what the steps one by one would
+  show: request counts do not change inside a run (least_requests, prefix_affinity), and the
+  blocks a run takes (committed at its end) are counted as in use while it runs (least_kv:
+  every step of the run has started by the next arrival). kv_aware also reads each replica's
+  prefix index, whose evictions a run applies at its end, so its replicas take every step one
+  by one. Under prefill/decode pools the horizon is the next event anywhere in the fleet.
 
 Prefill/decode pools (simkv.sim.cluster.disagg): a request is prefilled on a prefill replica
 (its first output token sampled there and not returned), its KV sent over the link to a decode
@@ -63,6 +67,7 @@ class Replica:
         self.next_arrival_s = math.inf       # its own pending arrival (own-horizon mode)
         self.cancel_at: list = []            # heap of its pending cancellation timers
         self.on_step = None                  # called after each step (P/D hand-offs)
+        self.run_blocks = 0                  # blocks the decode run in flight takes
         self.before_schedule = None          # called before the loop plans (P/D parking)
 
     # -- what a router reads --------------------------------------------------------------------
@@ -72,7 +77,11 @@ class Replica:
 
     def kv_used_fraction(self) -> float:
         kv = self.scheduler.kv
-        return kv.num_used_blocks / kv.num_blocks
+        return (kv.num_used_blocks + self.run_blocks) / kv.num_blocks
+
+    def on_run(self, run, steps: int) -> None:
+        """A decode run of `steps` steps starts (run None: it has been committed)."""
+        self.run_blocks = run.blocks_taken(steps) if run is not None else 0
 
     # -- events ----------------------------------------------------------------------------------
     def notify(self) -> None:
@@ -120,9 +129,11 @@ class Fleet:
         # own horizons: the replicas cannot see one another
         self.own_horizon = policy in STATE_INDEPENDENT and self.disagg is None
         step_by_step = exact or step_terms or (
-            policy in READS_KV and len(self.replicas) > 1) or self.disagg is not None \
+            policy == "kv_aware" and len(self.replicas) > 1) or self.disagg is not None \
             and policy in READS_KV
         self.decode_runs = not step_by_step
+        self.next_arrival_s = math.inf       # the routed arrival process's pending one
+        self.next_refresh_s = math.inf
         self._arrivals_left = len(self.replicas) if self.own_horizon else 1
         self.finished = False
 
@@ -149,7 +160,9 @@ class Fleet:
         for req in requests:
             delay = req.arrival_s - env.now
             if delay > 0:
+                self.next_arrival_s = env.now + delay
                 yield env.timeout(delay)
+            self.next_arrival_s = math.inf
             if self.disagg is not None:
                 self.disagg.arrive(req, env.now)
                 continue
@@ -181,14 +194,18 @@ class Fleet:
         while not self.finished:
             for router in self.routers.values():
                 router.refresh()
+            self.next_refresh_s = env.now + period
             yield env.timeout(period)
 
     # -- one replica's loop -----------------------------------------------------------------------
     def _horizon(self, replica) -> float:
-        if not self.own_horizon:
-            return self.env.peek()
+        """The next time something can reach the replica (module doc)."""
         cancel = replica.cancel_at[0] if replica.cancel_at else math.inf
-        return min(replica.next_arrival_s, cancel)
+        if self.own_horizon:
+            return min(replica.next_arrival_s, cancel)
+        if self.disagg is not None:
+            return self.env.peek()
+        return min(self.next_arrival_s, self.next_refresh_s, cancel)
 
     def _drive(self, replica, loop):
         """Run a replica's serving loop on the clock (simkv.engine.loop's protocol)."""
@@ -237,22 +254,36 @@ class Fleet:
             parts = [[] for _ in replicas]
             for req, pick in zip(requests, picks):
                 parts[pick].append(req)
-        for i, replica in enumerate(self.replicas):
-            if self.own_horizon:
-                env.process(self._own_arrivals(replica, parts[i]))
-            elif i == 0:
-                env.process(self._routed_arrivals(requests))
-            loop = serve(replica.scheduler, replica.executor, replica.recorder,
-                         check_integrity=self.check_integrity,
-                         on_step=(lambda plan, end, r=replica: r.on_step(r, end))
-                         if replica.on_step is not None else None,
-                         decode_runs=self.decode_runs,
-                         async_scheduling=replica.scenario.scheduler.async_scheduling)
-            env.process(self._drive(replica, loop))
-        if self.cluster.router.refresh_s > 0 and not self.own_horizon:
+            # Replicas that cannot see one another need no shared clock: each runs on its own,
+            # one after another. The steps are the same as on one clock (nothing reaches a
+            # replica but its own arrivals and cancellations), without interleaving every
+            # replica's working set step by step.
+            end_s = 0.0
+            for replica, part in zip(self.replicas, parts):
+                self.env = env = simpy.Environment()
+                env.process(self._own_arrivals(replica, part))
+                env.process(self._drive(replica, self._serve(replica)))
+                env.run()
+                end_s = max(end_s, env.now)
+            self.env = simpy.Environment(initial_time=end_s)
+            return self._results(wall_start, SimResult)
+        env.process(self._routed_arrivals(requests))
+        for replica in self.replicas:
+            env.process(self._drive(replica, self._serve(replica)))
+        if self.cluster.router.refresh_s > 0:
             env.process(self._refresher())
         env.run()
         return self._results(wall_start, SimResult)
+
+    def _serve(self, replica):
+        return serve(replica.scheduler, replica.executor, replica.recorder,
+                     check_integrity=self.check_integrity,
+                     on_step=(lambda plan, end, r=replica: r.on_step(r, end))
+                     if replica.on_step is not None else None,
+                     decode_runs=self.decode_runs,
+                     async_scheduling=replica.scenario.scheduler.async_scheduling,
+                     on_run=replica.on_run if self.cluster.router.policy in READS_KV
+                     else None)
 
     # -- results ---------------------------------------------------------------------------------
     def _results(self, wall_start: float, SimResult):

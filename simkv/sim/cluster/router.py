@@ -36,7 +36,8 @@ from simkv.engine.kv.hashing import hash_root
 from simkv.engine.request import Sequence
 
 # routers that read a replica's KV blocks in use: a decode run commits its blocks at its end,
-# so their replicas take steps one by one to show the router each step's state
+# so the fleet counts a run's blocks as in use while it runs (least_kv), or takes the steps one
+# by one where the router also reads the prefix index (kv_aware; simkv.sim.cluster.fleet)
 READS_KV = ("least_kv", "kv_aware")
 
 
