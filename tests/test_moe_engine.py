@@ -110,12 +110,15 @@ def plain_logits(model, token_ids: list) -> torch.Tensor:
     """Logits of the last position of `token_ids`, computed from the model's weights with no
     cache: RMSNorm, q/k norms, RoPE, causal softmax attention, each token's top-k experts."""
     spec, f32 = model.spec, torch.float32
+
+    def w(t):                                   # the weights, in float32 on the CPU
+        return t.detach().to("cpu", f32)
     H, KH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     eps = float(spec.rms_norm_eps)
     top_k, renorm = model.router_cfg.top_k, model.router_cfg.renormalize
 
-    def rms(x, w):
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w.to(f32)
+    def rms(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
     def rope(x, pos):
         half = D // 2
@@ -126,12 +129,12 @@ def plain_logits(model, token_ids: list) -> torch.Tensor:
 
     n = len(token_ids)
     pos = torch.arange(n)
-    x = model.embed.to(f32)[torch.tensor(token_ids)]
+    x = w(model.embed)[torch.tensor(token_ids)]
     for layer in model.layers:
-        h = rms(x, layer.input_norm)
-        qkv = h @ layer.qkv.to(f32).T
-        q = rms(qkv[:, :H * D].view(n, H, D), layer.q_norm)
-        k = rms(qkv[:, H * D:(H + KH) * D].view(n, KH, D), layer.k_norm)
+        h = rms(x, w(layer.input_norm))
+        qkv = h @ w(layer.qkv).T
+        q = rms(qkv[:, :H * D].view(n, H, D), w(layer.q_norm))
+        k = rms(qkv[:, H * D:(H + KH) * D].view(n, KH, D), w(layer.k_norm))
         v = qkv[:, (H + KH) * D:].view(n, KH, D)
         q, k = rope(q, pos), rope(k, pos)
         attn = torch.empty(n, H, D)
@@ -140,19 +143,20 @@ def plain_logits(model, token_ids: list) -> torch.Tensor:
             scores = q[:, head] @ k[:, kv].T / math.sqrt(D)
             scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
             attn[:, head] = torch.softmax(scores, -1) @ v[:, kv]
-        x = x + attn.reshape(n, H * D) @ layer.o.to(f32).T
-        h = rms(x, layer.post_norm)
+        x = x + attn.reshape(n, H * D) @ w(layer.o).T
+        h = rms(x, w(layer.post_norm))
         ff = torch.zeros_like(h)
         inter = layer.down.shape[2]
+        router, gate_up, down = w(layer.router), w(layer.gate_up), w(layer.down)
         for t in range(n):
-            probs = torch.softmax(layer.router.to(f32) @ h[t], -1)
+            probs = torch.softmax(router @ h[t], -1)
             top = torch.topk(probs, top_k)
-            w = top.values / top.values.sum() if renorm else top.values
-            for weight, e in zip(w.tolist(), top.indices.tolist()):
-                gu = layer.gate_up[e].to(f32) @ h[t]
-                ff[t] += weight * (layer.down[e].to(f32) @ (F.silu(gu[:inter]) * gu[inter:]))
+            share = top.values / top.values.sum() if renorm else top.values
+            for weight, e in zip(share.tolist(), top.indices.tolist()):
+                gu = gate_up[e] @ h[t]
+                ff[t] += weight * (down[e] @ (F.silu(gu[:inter]) * gu[inter:]))
         x = x + ff
-    return rms(x, model.final_norm)[-1] @ model.lm_head.to(f32).T
+    return rms(x, w(model.final_norm))[-1] @ w(model.lm_head).T
 
 
 def plain_greedy(model, prompt: list, num_tokens: int) -> list:
@@ -179,8 +183,8 @@ def test_the_moe_engine_generates_the_plain_models_greedy_tokens(tmp_path):
            "workload": {"synthetic": {"num_requests": 1, "output_tokens": 1,
                                       "prompt_tokens": {"dist": "fixed", "value": 8}}}}
     scn = simkv.load_scenario(raw)
-    run = run_offline(scn, frame, device="cpu", dtype=torch.float32, attention="triton", poison=True)
-    model = LlamaModel(scn.model, "cpu", torch.float32, seed=0)
+    run = run_offline(scn, frame, device=DEVICE, dtype=torch.float32, attention="triton", poison=True)
+    model = LlamaModel(scn.model, DEVICE, torch.float32, seed=0)   # the engine's weights
     for req in requests_from_frame(frame):
         prompt = prompt_token_ids(req, scn.model.vocab_size, seed=0)
         assert run.tokens[(req.request_id, 0)] == plain_greedy(model, prompt, 3), req.request_id

@@ -3,6 +3,8 @@
     python -m simkv.gpu.bench kernels [--out profiles/h200/kernels.csv] [--quick]
                                       [--block-sizes 16] [--time-budget-s S] [--configs best.json]
     python -m simkv.gpu.bench tune [--out DIR] [--quick] [--time-budget-s S]
+    python -m simkv.gpu.bench window [--out profiles/h200/kernels-window/window.csv]
+                                     [--batch 64] [--context 32768] [--windows 1024] [--block-sizes 16]
 
 `kernels` writes one CSV row per (kernel, batch, context, block size) with the columns of
 `COLUMNS` (then extra columns), a metadata JSON beside it (GPU, driver, versions, date, command),
@@ -22,6 +24,13 @@ Two timings (`kernel_timing`), each for our kernel and for the baseline:
   `baseline_steady_tbps`): `steady_calls` calls back to back in ONE CUDA graph, cycling over
   `steady_sets` input sets (own q, KV cache, block table, output) that no L2 holds together; the
   per-call time is the median replay time / `steady_calls`.
+
+`window` measures sliding-window decode against full-context decode of the same shapes (random
+paged K/V made in place, no SDPA baseline): per row the kernel's own count of the K/V pages it
+reads (`blocks_loaded`, per KV head; `block_bytes_loaded` = pages x block bytes, K and V), the
+bytes of the tokens it attends to (`kv_bytes_loaded`), their fraction of the full context's K/V
+bytes, and its per-call time against full context's (`time_ratio`); plus prefill rows with and
+without the window (one chunk per sequence over a cached prefix).
 
 `tune` (`kernel_tune`) sweeps launch parameters (decode split policy and merge, prefill tiles)
 and writes `tune.csv` (every measurement) and `best.json` (the choices, usable as
@@ -318,6 +327,73 @@ def run_kernel_bench(out_path=DEFAULT_OUT, quick: bool = False, command: str | N
     return df
 
 
+WINDOW_PREFILL_POINT = (4, 4096, 4096)    # (batch, new tokens, cached tokens)
+
+
+def run_window_bench(out_path, batch: int = 64, context: int = 32768, windows=(1024,), block_sizes=(16,),
+                     command: str | None = None):
+    """Window rows (see the module docstring) on the current CUDA GPU; writes the CSV and a
+    metadata JSON beside it and returns the rows as a DataFrame."""
+    import pandas as pd
+
+    from simkv.gpu.kernel_measure import measure_window_decode, measure_window_prefill, random_paged, window_kv_bytes
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for block_size in block_sizes:
+        q, paged = random_paged(batch, context, block_size, device, gen)
+        full_bytes = window_kv_bytes(batch, context, None)
+        full = measure_window_decode(q, paged, None)
+        for window in (None, *windows):
+            m = full if window is None else measure_window_decode(q, paged, window)
+            rows.append({
+                "kernel": "paged_decode", "batch": batch, "context": context, "block_size": block_size,
+                "window": window, "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                "dtype": str(DTYPE).removeprefix("torch."), "time_us": round(m["time_us"], 3),
+                "tbps": round(m["block_bytes_loaded"] / m["time_us"] / 1e6, 4),
+                "blocks_loaded": m["blocks_loaded"], "block_bytes_loaded": m["block_bytes_loaded"],
+                "kv_bytes_loaded": m["kv_bytes_loaded"], "full_kv_bytes": full_bytes,
+                "loaded_fraction": round(m["block_bytes_loaded"] / full_bytes, 6),
+                "full_time_us": round(full["time_us"], 3), "time_ratio": round(m["time_us"] / full["time_us"], 4),
+                "rel_err": m["rel_err"],
+            })
+        del q, paged
+        torch.cuda.empty_cache()
+        pb, new, cached = WINDOW_PREFILL_POINT
+        full_p = measure_window_prefill(pb, new, cached, block_size, None, device, gen)
+        for window in (None, *windows):
+            m = full_p if window is None else measure_window_prefill(pb, new, cached, block_size, window, device, gen)
+            rows.append({
+                "kernel": "paged_prefill", "batch": pb, "context": new + cached, "block_size": block_size,
+                "window": window, "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                "dtype": str(DTYPE).removeprefix("torch."), "new_tokens": new, "cached_tokens": cached,
+                "time_us": round(m["time_us"], 3), "full_time_us": round(full_p["time_us"], 3),
+                "time_ratio": round(m["time_us"] / full_p["time_us"], 4), "rel_err": m["rel_err"],
+            })
+        torch.cuda.empty_cache()
+    df = pd.DataFrame(rows)
+    for c in ("window", "blocks_loaded", "block_bytes_loaded", "kv_bytes_loaded", "full_kv_bytes", "new_tokens",
+              "cached_tokens"):
+        if c in df:
+            df[c] = df[c].astype("Int64")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out_path, index=False)
+    command = command or f"python -m simkv.gpu.bench window --out {out_path}"
+    notes = {"window_rows": "blocks_loaded: K pages read per launch, summed over sequences and KV heads, counted "
+             "by the kernel (load_counts); V reads the same pages. loaded_fraction = block_bytes_loaded / "
+             "full_kv_bytes (K and V of every token of every sequence). time_us: one call in a CUDA graph, "
+             "do_bench median, L2 flushed; full_time_us: the same launch without a window. rel_err: against "
+             "simkv.gpu.reference on the first sequences (decode 2, prefill 1)"}
+    out_path.with_suffix(".json").write_text(json.dumps(metadata(command, notes), indent=2) + "\n")
+    for r in df.itertuples():
+        frac = f" loads {r.loaded_fraction:.4f} of full KV ({r.blocks_loaded} pages)" if r.kernel == "paged_decode" else ""
+        print(f"  {r.kernel:13s} b={r.batch} ctx={r.context} bs={r.block_size} window={r.window}: "
+              f"{r.time_us:9.1f} us, x{r.time_ratio:.3f} of full{frac}, err {r.rel_err:.1e}", flush=True)
+    return df
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
 
@@ -339,11 +415,19 @@ def main(argv=None) -> int:
                    "sweep at 8 x 2048 only; budget 170 s unless --time-budget-s")
     t.add_argument("--time-budget-s", type=float, help="start no new measurement after this many seconds")
     t.add_argument("--configs", help="start from the launch parameters of an earlier best.json")
+    w = sub.add_parser("window", help="sliding-window decode/prefill against full context; pages read")
+    w.add_argument("--out", default="profiles/h200/kernels-window/window.csv")
+    w.add_argument("--batch", type=int, default=64)
+    w.add_argument("--context", type=int, default=32768)
+    w.add_argument("--windows", type=_sizes, default=(1024,))
+    w.add_argument("--block-sizes", type=_sizes, default=(16,))
     args = parser.parse_args(argv)
     command = "python -m simkv.gpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.configs:
         load_tuned(args.configs)
-    if args.what == "kernels":
+    if args.what == "window":
+        run_window_bench(args.out, args.batch, args.context, args.windows, args.block_sizes, command=command)
+    elif args.what == "kernels":
         run_kernel_bench(args.out, quick=args.quick, command=command, block_sizes=args.block_sizes,
                          time_budget_s=args.time_budget_s, steady=not args.no_steady)
     else:

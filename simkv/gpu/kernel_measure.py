@@ -262,3 +262,68 @@ def errored(kind: str, what, e: Exception) -> dict:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return {"error": f"{type(e).__name__}: {msg}"}
+
+
+# -- sliding-window decode: time against full context, and the pages each launch reads -------
+
+
+def random_paged(batch: int, context: int, block_size: int, device, gen: torch.Generator):
+    """Random paged K/V of `batch` sequences of `context` tokens made in place (no contiguous
+    copy, so that 32k contexts at batch 64 fit), a shuffled block table, and a q."""
+    per_seq = -(-context // block_size)
+    shape = (batch * per_seq, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=device, dtype=DTYPE, generator=gen)
+    v_cache = torch.randn(shape, device=device, dtype=DTYPE, generator=gen)
+    table = torch.randperm(batch * per_seq, device=device, generator=gen).view(batch, per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=gen)
+    return q, (k_cache, v_cache, table, seq_lens)
+
+
+def window_kv_bytes(batch: int, context: int, window: int | None) -> int:
+    """K and V bytes of the tokens the queries attend to (the whole context without a window)."""
+    tokens = context if window is None else min(window, context)
+    return 2 * batch * tokens * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
+def measure_window_decode(q, paged, window: int | None, check_seqs: int = 2) -> dict:
+    """One decode launch with `window` (None: full context): its rel_err against the torch
+    reference on the first `check_seqs` sequences, the K/V tokens and pages it reads (the
+    kernel's own count, K and V) in bytes, and its time per call (CUDA graph, `time_us`)."""
+    from simkv.gpu import reference
+    from simkv.gpu.kernels import paged_decode_attention
+
+    k_cache, v_cache, table, seq_lens = paged
+    batch, block_size = q.shape[0], k_cache.shape[1]
+    counts = torch.zeros(batch, 2, dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+    paged_decode_attention(q, *paged, out=out, window=window, load_counts=counts)
+    n = min(check_seqs, batch)
+    ref = reference.paged_decode_attention(q[:n], k_cache, v_cache, table[:n], seq_lens[:n], window=window)
+    tokens, pages = (int(v) for v in counts.sum(0).tolist())
+    head_token_bytes = HEAD_DIM * DTYPE.itemsize     # one token of one KV head, K or V
+    call = lambda: paged_decode_attention(q, *paged, out=out, window=window)  # noqa: E731
+    return {"rel_err": rel_err(out[:n], ref), "kv_bytes_loaded": 2 * tokens * head_token_bytes,
+            "block_bytes_loaded": 2 * pages * block_size * head_token_bytes, "blocks_loaded": pages,
+            "time_us": time_us(call)}
+
+
+def measure_window_prefill(batch: int, new_tokens: int, cached_tokens: int, block_size: int,
+                           window: int | None, device, gen) -> dict:
+    """One prefill launch of `new_tokens` per sequence over `cached_tokens` with `window`:
+    rel_err against the reference on the first sequence and the time per call."""
+    from simkv.gpu import reference
+    from simkv.gpu.kernels import paged_prefill_attention
+
+    context = new_tokens + cached_tokens
+    _, paged = random_paged(batch, context, block_size, device, gen)
+    k_cache, v_cache, table, seq_lens = paged
+    q = torch.randn(batch * new_tokens, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE, generator=gen)
+    starts = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * new_tokens
+    out = torch.empty_like(q)
+    call = lambda: paged_prefill_attention(q, k_cache, v_cache, table, starts, seq_lens, out=out,  # noqa: E731
+                                           window=window)
+    call()
+    ref = reference.paged_prefill_attention(q[:new_tokens], k_cache, v_cache, table[:1], starts[:2], seq_lens[:1],
+                                            window=window)
+    return {"rel_err": rel_err(out[:new_tokens], ref), "time_us": time_us(call)}
