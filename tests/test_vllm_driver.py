@@ -451,3 +451,53 @@ def test_a_mix_phase_serves_its_plan_in_order_and_records_each_arrival(monkeypat
     assert len(arrivals) == len(injected) and arrivals == sorted(arrivals)
     # the decoding requests end by vLLM's abort, the injected ones by their own outputs
     assert sorted(engine.aborted) == sorted(f"{phase['name']}-{j}" for j in range(6))
+
+
+def test_a_prompt_right_after_a_request_leaves_takes_its_window_from_the_stream_after_it():
+    # three decoding; one leaves in the step just before a prompt arrives, so the run of two
+    # decodes before the prompt is that one (late-released) step
+    reqs = [(100, 10 ** 3), (100, 10 ** 3), (100, 11), (50, 1)]
+    replay, steps = sp.Replay(reqs), []
+    for tokens in [300] + [0] * 11 + [50] + [0] * 8:
+        steps.append(replay.step(tokens))
+    assert [len(s.decodes) for s in steps[10:14]] == [3, 2, 2, 2]
+    shift = {11: 0.006, 12: -0.005, 13: -0.001}
+    log, t = [], 0.0
+    for k, s in enumerate(steps):
+        t += (0.2 if k == 0 else 0.009 if k == 12 else 0.005) + shift.get(k, 0.0)
+        log.append({"core_t_s": t, "t_s": t, "num_prefill_tokens": s.num_prefill_tokens,
+                    "num_decode_tokens": len(s.decodes)})
+    rows, summary = sp.phase_rows({"name": "mix-b3-c100-o1", "requests": [list(r) for r in reqs],
+                                   "steps": log}, 16, [1, 2, 4], [1, 2, 64])
+    assert summary["stopped"] is None
+    mixed = [r for r in rows if r["family"] == "mixed"]
+    # the window less the one step's own (late) period would leave 3 ms; less the decodes'
+    # 5 ms of the run after it, the prompt's 9 ms
+    assert len(mixed) == 1 and mixed[0]["time_s"] == pytest.approx(0.009)
+
+
+def test_raw_records_merge_with_repeated_phases_renamed_and_other_engines_refused():
+    meta = {"model": "llama-3.1-8b", "gpu": "h200", "vllm_num_gpu_blocks": 56057,
+            "full_graph_sizes": [1, 2], "piecewise_graph_sizes": [1, 2, 4],
+            "async_scheduling": True, "date": "d1", "command": "c1",
+            "engine_kwargs": {"model": "/tmp/a", "block_size": 16, "max_num_seqs": 256}}
+    one = {"format": sp.RAW_FORMAT, "meta": meta,
+           "phases": [{"name": "inject-b8"}, {"name": "decode-c1024-b256"},
+                      {"name": "decode-c1024-b256-r2"}]}
+    two = {"format": sp.RAW_FORMAT,
+           "meta": dict(meta, date="d2", command="c2",
+                        engine_kwargs=dict(meta["engine_kwargs"], model="/tmp/b")),
+           "phases": [{"name": "mix-b8-c512-o1"}, {"name": "inject-b8"},
+                      {"name": "decode-c1024-b256"}]}
+    merged = sp.merge_raws([one, two], ["a.json", "b.json"])
+    assert [p["name"] for p in merged["phases"]] == [
+        "inject-b8", "decode-c1024-b256", "decode-c1024-b256-r2", "mix-b8-c512-o1",
+        "inject-b8-r2", "decode-c1024-b256-r3"]
+    assert [s["date"] for s in merged["meta"]["sources"]] == ["d1", "d2"]
+    assert merged["meta"]["sources"][1]["phases"][1] == "inject-b8-r2"
+    other = dict(two, meta=dict(two["meta"], engine_kwargs=dict(meta["engine_kwargs"],
+                                                                block_size=32)))
+    with pytest.raises(ValueError, match="b.json: engine settings block_size"):
+        sp.merge_raws([one, other], ["a.json", "b.json"])
+    with pytest.raises(ValueError, match="vllm_num_gpu_blocks"):
+        sp.merge_raws([one, dict(two, meta=dict(two["meta"], vllm_num_gpu_blocks=1))])

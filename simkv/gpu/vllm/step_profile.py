@@ -320,7 +320,7 @@ def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: 
                  and not any(0 <= i - d and not decode[i - d] for d in (1, 2))]
         use = clean if len(clean) >= 2 else [i for i in r if timed[i]]
         if use:
-            median[r[0]] = (statistics.median(periods[i] for i in use), use)
+            median[r[0]] = (statistics.median(periods[i] for i in use), use, len(clean) >= 2)
     time_of, how, blocks = {}, {}, []
     for r in runs:
         if decode[r[0]]:
@@ -336,9 +336,16 @@ def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: 
                 and decode[i0 - 1] and decode[i1 + 1] and decode[i1 + 2]
                 and run_of[i1 + 1] is run_of[i1 + 2]
                 and run_of[i0 - 1][0] in median and run_of[i1 + 1][0] in median):
-            before = median[run_of[i0 - 1][0]][0]
-            after = median[run_of[i1 + 1][0]][0]
-            total = sum(periods[i] for i in inside) - before - 2 * after
+            # a decode run's median stands for its decodes when it comes from periods that no
+            # prefill step shifted; a run too short for that (a request that finished or
+            # joined just before or after the prompt) takes the other side's (one sequence
+            # apart), and with neither clean the prompt has no window
+            _, _, clean_before = median[run_of[i0 - 1][0]]
+            _, _, clean_after = median[run_of[i1 + 1][0]]
+            before = median[run_of[i0 - 1 if clean_before else i1 + 1][0]][0]
+            after = median[run_of[i1 + 1 if clean_after else i0 - 1][0]][0]
+            total = (sum(periods[i] for i in inside) - before - 2 * after
+                     if clean_before or clean_after else 0.0)
             own = sum(periods[i] for i in r)
             if total > 0 and own > 0:
                 for i in r:
@@ -369,7 +376,7 @@ def phase_rows(phase: dict, block_size: int, full_sizes: list, piecewise_sizes: 
         if decode[r[0]]:
             if r[0] not in median:
                 continue
-            value, use = median[r[0]]
+            value, use, _ = median[r[0]]
             times = sorted(periods[i] for i in use)
             f = step_features(steps[use[len(use) // 2]])
             rows.append(_row(phase, use[len(use) // 2], f, value, times, "median", periods,
@@ -401,6 +408,46 @@ STEP_CSV_COLUMNS = ("id", "family", "block_size", "num_prefill_tokens", "num_dec
                     "prefill_context_tokens", "prefill_attention_pairs", "decode_max_context",
                     "graph", "time_s", "time_p10_s", "time_p90_s", "reps", "period_s", "timing",
                     "phase", "step")
+
+
+MERGE_KEYS = ("model", "gpu", "vllm_num_gpu_blocks", "full_graph_sizes",
+              "piecewise_graph_sizes", "async_scheduling")
+
+
+def merge_raws(raws: list, names: list | None = None) -> dict:
+    """One raw record of several measured with the same engine settings (another machine,
+    other phases): the phases of all in order, a phase name seen before taking the next
+    `-r<k>` suffix, the first record's meta with each record's date, command and phases under
+    `sources`. Raises ValueError where the engines differ (naming the record by `names`)."""
+    names = names or [f"raw record {k + 1}" for k in range(len(raws))]
+    first = raws[0]["meta"]
+    settings = {k: v for k, v in first["engine_kwargs"].items() if k != "model"}
+    merged = {"format": RAW_FORMAT, "meta": dict(first), "phases": []}
+    seen, sources = {}, []
+    for k, raw in enumerate(raws):
+        m = raw["meta"]
+        for key in MERGE_KEYS:
+            if m.get(key) != first.get(key):
+                raise ValueError(f"{names[k]}: {key} {m.get(key)!r} differs from "
+                                 f"{names[0]}'s {first.get(key)!r}")
+        other = {key: v for key, v in m["engine_kwargs"].items() if key != "model"}
+        if other != settings:
+            diff = sorted(key for key in set(other) | set(settings)
+                          if other.get(key) != settings.get(key))
+            raise ValueError(f"{names[k]}: engine settings {', '.join(diff)} differ from "
+                             f"{names[0]}'s")
+        kept = []
+        for phase in raw["phases"]:
+            base = phase["name"].split("-r")[0] if "-r" in phase["name"] else phase["name"]
+            seen[base] = seen.get(base, 0) + 1
+            name = base + (f"-r{seen[base]}" if seen[base] > 1 else "")
+            merged["phases"].append(dict(phase, name=name))
+            kept.append(name)
+        sources.append({"date": m.get("date"), "command": m.get("command"),
+                        "measure_s": m.get("measure_s"), "versions": m.get("versions"),
+                        "phases": kept})
+    merged["meta"]["sources"] = sources
+    return merged
 
 
 def build_profile(raw: dict, out_dir, raw_path: str = "") -> dict:
@@ -443,6 +490,7 @@ def build_profile(raw: dict, out_dir, raw_path: str = "") -> dict:
         "versions": m["versions"], "nvidia_smi": m.get("nvidia_smi"),
         "engine_kwargs": m["engine_kwargs"], "vllm_num_gpu_blocks": m["vllm_num_gpu_blocks"],
         "setup": m.get("setup"),
+        **({"sources": m["sources"]} if "sources" in m else {}),
         "timing": ("the engine core's output timestamps (EngineCoreOutputs.timestamp) of "
                    "consecutive steps; rows keep the total of the periods they stand for: a "
                    "decode run of one batch its median period (reps: the periods used, "
@@ -734,8 +782,9 @@ def main(argv=None) -> int:
     m.add_argument("--phases", choices=sorted(PHASE_SETS), default="profile",
                    help="profile: the profile's phases; mix: prompts in decode streams as "
                         "a trace has them")
-    b = sub.add_parser("build", help="on the CPU: raw.json[.gz] -> steps.csv and meta.json")
-    b.add_argument("raw")
+    b = sub.add_parser("build", help="on the CPU: raw.json[.gz] -> steps.csv and meta.json "
+                                     "(several: their phases together, merge_raws)")
+    b.add_argument("raw", nargs="+")
     b.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.cmd == "measure":
@@ -745,13 +794,29 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         asyncio.run(_measure(scn, out, args.budget_s, PHASE_SETS[args.phases]))
         return 0
-    path = Path(args.raw)
-    if path.suffix == ".gz":
-        import gzip
-        raw = json.loads(gzip.decompress(path.read_bytes()))
-    else:
-        raw = json.loads(path.read_text())
-    meta = build_profile(raw, args.out, args.raw)
+    raws = []
+    for name in args.raw:
+        path = Path(name)
+        try:
+            data = path.read_bytes()
+            if path.suffix == ".gz":
+                import gzip
+                data = gzip.decompress(data)
+            raws.append(json.loads(data))
+        except (OSError, ValueError) as e:
+            print(f"error: {name}: not a readable raw step-profile record ({e})",
+                  file=sys.stderr)
+            return 2
+        if raws[-1].get("format") != RAW_FORMAT:
+            print(f"error: {name}: format {raws[-1].get('format')!r}, expected {RAW_FORMAT}",
+                  file=sys.stderr)
+            return 2
+    try:
+        raw = raws[0] if len(raws) == 1 else merge_raws(raws, args.raw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = build_profile(raw, args.out, " ".join(args.raw))
     for p in meta["phases"]:
         print(f"{p['name']}: {p['steps_logged']} steps logged, {p['steps_replayed']} replayed, "
               f"{p['rows']} rows" + (f"; stopped: {p['stopped']}" if p["stopped"] else ""))
