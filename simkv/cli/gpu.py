@@ -37,11 +37,19 @@ def replay(
     require_torch("simkv replay")
     if device == "cuda" and not cuda_available():
         raise InputError("--device cuda: no CUDA GPU here (use --device cpu with a small model)")
-    run_replay = require("simkv.gpu.engine", "replay", "replay")
     out_dir = out if out is not None else Path("results") / f"{scn.name}-replay"
-    result = run_replay(scn, device=device, out_dir=out_dir, save_tokens=save_tokens,
-                        realtime=not offline, enforce_eager=enforce_eager, progress=True)
-    print_summary(result.summary, title=f"{scn.name}: measured on {device}")
+    if scn.tensor_parallel_size > 1:       # one process per rank, rank 0 writes the files
+        run_replay = require("simkv.gpu.tensor_parallel", "replay", "replay")
+        summary = run_replay(scn, device=device, out_dir=out_dir, save_tokens=save_tokens,
+                             realtime=not offline, enforce_eager=enforce_eager)["summary"]
+        where = f"{scn.tensor_parallel_size} x {device} (tensor parallel)"
+    else:
+        run_replay = require("simkv.gpu.engine", "replay", "replay")
+        summary = run_replay(scn, device=device, out_dir=out_dir, save_tokens=save_tokens,
+                             realtime=not offline, enforce_eager=enforce_eager,
+                             progress=True).summary
+        where = device
+    print_summary(summary, title=f"{scn.name}: measured on {where}")
     console().print(f"results written to {out_dir}/")
 
 

@@ -121,6 +121,11 @@ class Engine:
             raise InputError("scheduler.async_scheduling: the real engine schedules "
                              "synchronously; set it to false to run on the GPU")
         from simkv.gpu.executor import GpuExecutor
+        if getattr(scenario, "tensor_parallel_size", 1) > 1 \
+                and not getattr(self, "tensor_parallel_rank", False):
+            raise InputError(f"tensor_parallel_size {scenario.tensor_parallel_size}: the engine "
+                             "runs one process per rank (simkv.gpu.tensor_parallel; simkv "
+                             "replay starts them)")
         self.scenario = scenario
         self.scheduler, self.sizing = build_scheduler(scenario)
         kv = self.scheduler.kv
@@ -187,7 +192,7 @@ class Engine:
 
         command = next(loop)
         while True:
-            now = time.perf_counter() - clock0
+            now = self._now(clock0)
             if command is IDLE:
                 if upcoming is None and not sched.requests:
                     loop.close()
@@ -195,10 +200,14 @@ class Engine:
                 wake = min(upcoming.arrival_s if upcoming is not None else math.inf,
                            cancels[0][0] if cancels else math.inf)
                 time.sleep(max(0.0, min(wake - now, 0.05)))
-                now = time.perf_counter() - clock0
+                now = self._now(clock0)
             if command is IDLE or command is NOW:
                 admit(now)
             command = loop.send(now)    # after a step: the time its tokens exist
+        return time.perf_counter() - clock0
+
+    def _now(self, clock0: float) -> float:
+        """Seconds since the run started (a tensor-parallel rank takes rank 0's)."""
         return time.perf_counter() - clock0
 
     def result(self, duration_s: float, wall_time_s: float) -> ReplayResult:

@@ -46,11 +46,14 @@ class GpuExecutor:
                  enforce_eager: bool = False, seed: int = 0, *, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  poison: bool | None = None, profile_memory: bool = True,
-                 static_inputs: bool = False):
+                 static_inputs: bool = False, model_factory=None):
         """`device` 'cuda' | 'cpu' (default: cuda when available); `dtype` default bfloat16 on
         CUDA, float64 on CPU; `attention` 'triton' | 'reference' (default: triton on CUDA,
         reference on CPU; triton on CPU needs TRITON_INTERPRET=1). `num_host_blocks` bounds the
-        swap space (allocated as needed). `max_model_len` sizes the graphs' block tables."""
+        swap space (allocated as needed). `max_model_len` sizes the graphs' block tables.
+        `model_factory(spec, device, dtype, seed, attention)` builds the model (default
+        LlamaModel; a tensor-parallel rank's: simkv.gpu.tensor_parallel)."""
+        self.model_factory = model_factory or LlamaModel
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         is_cuda = self.device.type == "cuda"
         dtype = _torch_dtype(dtype, is_cuda)
@@ -80,7 +83,7 @@ class GpuExecutor:
         from simkv.gpu.ledger import MemoryLedger
         is_cuda = self.device.type == "cuda"
         self.ledger = MemoryLedger(self.device) if is_cuda else None
-        self.model = LlamaModel(self.spec, self.device, self.dtype, seed, self.attention)
+        self.model = self.model_factory(self.spec, self.device, self.dtype, seed, self.attention)
         self.weight_bytes = self.model.weight_bytes
         if self.ledger:
             self.ledger.snapshot("weights")
@@ -119,7 +122,7 @@ class GpuExecutor:
             self.ledger.reset_peak()
 
     def _check_fits(self, num_blocks: int) -> None:
-        bytes_per_block = (2 * self.spec.num_layers * self.block_size * self.spec.num_kv_heads
+        bytes_per_block = (2 * self.spec.num_layers * self.block_size * self.model.num_kv_heads
                            * self.spec.head_dim * torch.finfo(self.dtype).bits // 8)
         need = num_blocks * bytes_per_block
         free, _ = torch.cuda.mem_get_info(self.device)

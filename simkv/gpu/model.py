@@ -320,7 +320,7 @@ class LlamaModel:
         if T > P and not meta.fixed_shape:
             self.attn.decode(q[P:], k_cache, v_cache, meta.decode_block_tables,
                              meta.decode_seq_lens, out[P:], meta.decode_workspace)
-        return F.linear(out.view(T, H * D), layer.o)
+        return self._reduce(F.linear(out.view(T, H * D), layer.o))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 caches: torch.Tensor, sample_rows: Optional[torch.Tensor] = None,
@@ -331,12 +331,12 @@ class LlamaModel:
         `check_finite`, raises if any hidden state of the batch is NaN/inf (poisoning debug mode).
         """
         layers = self.layers
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         x, h = self._norm(x, layers[0].input_norm)
         for i, layer in enumerate(layers):
             a = self._attention(i, layer, h, positions, meta, caches)
             x, h = self._norm(x, layer.post_norm, a)
-            m = self._feed_forward(layer, h)
+            m = self._reduce(self._feed_forward(layer, h))
             x, h = self._norm(x, layers[i + 1].input_norm if i + 1 < len(layers)
                               else self.final_norm, m)
         if check_finite and not bool(torch.isfinite(h).all()):
@@ -344,4 +344,15 @@ class LlamaModel:
                                      "swapped-out or never-written KV slot")
         if sample_rows is not None:
             h = h.index_select(0, sample_rows)
+        return self._logits(h)
+
+    # -- where a tensor-parallel rank differs (simkv.gpu.tensor_parallel) ---------------------
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output: this rank's partial sum (one GPU: the whole)."""
+        return partial
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head)
