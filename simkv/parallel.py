@@ -65,6 +65,10 @@ def check(model, tensor_parallel_size: int) -> Optional[str]:
         if value % tp:
             return (f"{tp} does not divide {model.name}'s {what} ({value}): "
                     f"use a size that does ({_divisors(value)})")
+    unknown = next((w.module for w in model.weights if _rule(w) is None), None)
+    if unknown is not None:
+        return (f"{model.name} ({model.architecture}) has {unknown}, whose tensor-parallel "
+                "split simkv does not model yet: size it at tensor_parallel_size 1")
     kv = model.num_kv_heads
     if model.kv_lora_rank is None and kv % tp and tp % kv:
         return (f"{tp} ranks cannot share {model.name}'s {kv} KV heads: the rank count must "
@@ -96,8 +100,24 @@ def padded_vocab_rows(vocab_size: int, tensor_parallel_size: int) -> int:
     return -(-padded // tensor_parallel_size)
 
 
+def _rule(w: Weight) -> Optional[str]:
+    """How `w` is split: vocab, replicated, kv, qkv_bias, mlp_bias, heads, column, row; or
+    None when no rule covers it."""
+    name = w.module
+    if w.part in ("embedding", "lm_head"):
+        return "vocab"
+    if w.part == "norm" or name.endswith(_REPLICATED):
+        return "replicated"
+    for rule, ends in (("kv", ("k_proj", "v_proj")), ("qkv_bias", ("qkv.bias",)),
+                       ("mlp_bias", ("mlp.bias",)), ("heads", ("sinks",)),
+                       ("column", _COLUMN), ("row", _ROW)):
+        if name.endswith(ends):
+            return rule
+    return None
+
+
 def shard(w: Weight, model, tensor_parallel_size: int) -> Weight:
-    """One rank's part of the checkpoint tensor group `w`."""
+    """One rank's part of the checkpoint tensor group `w` (a model `check` accepts)."""
     tp = tensor_parallel_size
     if tp == 1:
         return w

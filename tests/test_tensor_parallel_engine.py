@@ -13,6 +13,7 @@ from simkv.gpu.engine import Engine, run_offline  # noqa: E402
 from simkv.gpu.model import LlamaModel  # noqa: E402
 from simkv.specs import load_model  # noqa: E402
 from tests.test_engine_cpu import scenario, workload  # noqa: E402
+from tests.test_moe_engine import write_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,6 +36,17 @@ def test_tp_ranks_generate_the_one_gpu_engines_greedy_tokens_in_float32(tp):
     assert many["step_tokens"] == one.step_tokens
     assert many["tokens"] == one.tokens
     assert len(one.tokens) == 15                     # 12 requests, three of them n = 2
+
+
+def test_tp_2_splits_every_experts_width_and_keeps_the_tokens(tmp_path):
+    # the tiny Qwen3-MoE of tests/test_moe_engine.py: 8 experts of width 32, top 2
+    frame = workload()
+    path = write_config(tmp_path)
+    one = run_offline(scenario(model=str(path)), frame, dtype=torch.float32,
+                      check_integrity=False)
+    two = tensor_parallel.run_offline(scenario(model=str(path), tensor_parallel_size=2), frame,
+                                      dtype=torch.float32)
+    assert two["tokens"] == one.tokens and len(one.tokens) == 15
 
 
 def test_each_rank_holds_its_heads_and_features_of_the_one_gpu_weights():

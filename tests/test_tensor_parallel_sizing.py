@@ -148,3 +148,9 @@ def test_size_with_an_impossible_tensor_parallel_size_is_one_error_line():
     assert proc.stderr.strip().splitlines() == [
         "error: --tensor-parallel-size: 3 does not divide llama-3.1-70b's num_attention_heads "
         "(64): use a size that does (1, 2, 4, 8, 16)"]
+
+
+def test_a_model_with_tensors_no_split_rule_covers_is_refused_not_guessed():
+    problem = parallel.check(load_model("gemma-3-27b"), 2)      # its vision tower
+    assert "does not model yet" in problem and "vision_tower" in problem
+    assert parallel.check(load_model("gemma-3-27b"), 1) is None
