@@ -50,11 +50,37 @@ def test_align_pairs_groups_pairs_by_expert_in_padded_blocks():
     # 3 tokens x top 2 = pairs 0..5 routed to experts [[2, 0], [2, 1], [0, 2]], blocks of 2:
     # expert 0 gets pairs 1, 4; expert 1 pair 3 and a pad; expert 2 pairs 0, 2, 5 and a pad
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32)
-    pairs, block_expert = align_pairs(ids, num_experts=4, block_m=2)
+    pairs, block_expert = align_pairs(ids, num_experts=4, block_m=2, use_kernel=False)
     assert pairs.tolist()[:8] == [1, 4, 3, 6, 0, 2, 5, 6]
     assert block_expert.tolist()[:4] == [0, 1, 2, 2]
     assert all(e == -1 for e in block_expert.tolist()[4:])
     assert all(p == 6 for p in pairs.tolist()[8:])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(3, 2, 4, 2), (37, 4, 16, 16), (9, 8, 128, 16)])
+def test_the_align_kernel_lays_pairs_out_as_the_torch_ops_do(tokens, top_k, experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    ids = ids.to(DEVICE)
+    by_kernel = align_pairs(ids, experts, block_m, use_kernel=True)
+    by_torch = align_pairs(ids, experts, block_m, use_kernel=False)
+    assert by_kernel[0].tolist() == by_torch[0].tolist()
+    assert by_kernel[1].tolist() == by_torch[1].tolist()
+
+
+@needs_kernels
+def test_fused_route_picks_and_weighs_as_route_does():
+    from simkv.gpu.moe import RouterConfig, fused_route
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(11, 32, generator=gen).to(DEVICE)
+    router = torch.randn(16, 32, generator=gen).to(DEVICE)
+    for renormalize in (True, False):
+        cfg = RouterConfig(16, 4, renormalize)
+        w_ref, ids_ref = route(h, router, cfg)
+        w, ids = fused_route(h, router, cfg)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref)
 
 
 def test_align_pairs_shape_depends_only_on_the_shapes():

@@ -182,18 +182,18 @@ def decode_inputs(model, batch: int, context: int, block_size: int):
 def decode_step(model, batch: int, context: int, block_size: int, read_bw: float) -> dict:
     input_ids, positions, meta, caches = decode_inputs(model, batch, context, block_size)
     touched = []
-    route = model_mod.route
+    route = model_mod.fused_route
 
     def recording_route(h, router, cfg):
         weights, ids = route(h, router, cfg)
         touched.append(moe.touched_experts(ids, cfg.num_experts))
         return weights, ids
 
-    model_mod.route = recording_route
+    model_mod.fused_route = recording_route
     try:
         logits = model.forward(input_ids, positions, meta, caches)
     finally:
-        model_mod.route = route
+        model_mod.fused_route = route
     torch.cuda.synchronize()
     step = lambda: model.forward(input_ids, positions, meta, caches).argmax(-1)  # noqa: E731
     t0 = time.perf_counter()
@@ -202,6 +202,10 @@ def decode_step(model, batch: int, context: int, block_size: int, read_bw: float
     eager_us = (time.perf_counter() - t0) * 1e6
     graph_us = graph_time_us(step)
     graphed = GRAPHED[id(step)]
+    try:
+        profile = kernel_profile(step)
+    except Exception as e:  # noqa: BLE001 - the breakdown is a diagnosis, not the measurement
+        profile = [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
 
     spec = model.spec
     el = model.dtype.itemsize
@@ -223,7 +227,29 @@ def decode_step(model, batch: int, context: int, block_size: int, read_bw: float
             "graph_time_us": graph_us, "graphed": graphed, "eager_time_us_one_call": eager_us,
             "floor_us": floor_us, "x_floor": graph_us / floor_us,
             "experts_kv_floor_us": narrow_floor_us, "x_experts_kv_floor": graph_us / narrow_floor_us,
-            "logits_finite": bool(torch.isfinite(logits).all())}
+            "logits_finite": bool(torch.isfinite(logits).all()), "kernels": profile}
+
+
+def kernel_profile(step, top: int = 14) -> list:
+    """Device time per kernel name over one eager step (torch.profiler), the largest first:
+    where the step's time goes (the sums exclude the launch gaps of an eager step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:90]
+            calls, us = totals.get(name, (0, 0.0))
+            totals[name] = (calls + 1, us + e.time_range.elapsed_us())
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    return [{"kernel": name, "calls": calls, "device_us": round(us, 1)} for name, (calls, us) in rows[:top]] + [
+        {"kernel": "(all)", "calls": sum(c for c, _ in totals.values()),
+         "device_us": round(sum(u for _, u in totals.values()), 1)}]
 
 
 def main(argv=None) -> int:
@@ -275,6 +301,8 @@ def main(argv=None) -> int:
           f"(graph); floor {step['floor_us'] / 1e3:.2f} ms -> x{step['x_floor']:.2f} "
           f"(experts + KV only: {step['experts_kv_floor_us'] / 1e3:.2f} ms, x{step['x_experts_kv_floor']:.2f}); "
           f"{step['mean_touched_experts']:.1f} experts touched per layer", flush=True)
+    for k in step["kernels"]:
+        print(f"  {k['device_us'] / 1e3:8.3f} ms  {k['calls']:5d} x  {k['kernel']}" if "kernel" in k else k)
     return 0
 
 

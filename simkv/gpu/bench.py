@@ -423,7 +423,7 @@ def main(argv=None) -> int:
     w.add_argument("--block-sizes", type=_sizes, default=(16,))
     args = parser.parse_args(argv)
     command = "python -m simkv.gpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.configs:
+    if getattr(args, "configs", None):
         load_tuned(args.configs)
     if args.what == "window":
         run_window_bench(args.out, args.batch, args.context, args.windows, args.block_sizes, command=command)

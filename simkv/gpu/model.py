@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from simkv.gpu.attention import AttentionMetadata, make_attention
-from simkv.gpu.moe import fused_moe, reference_moe, route, router_config
+from simkv.gpu.moe import fused_moe, fused_route, reference_moe, route, router_config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +113,23 @@ def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_tok, num_heads,
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(ptr, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, q_w_ptr, k_w_ptr, stride_tok, num_q_heads, num_heads, eps,
+                          HEADS_PAD: tl.constexpr, D: tl.constexpr):
+    # Qwen3's per-head RMSNorm of one token's q heads, then k heads (contiguous), in place.
+    tok = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, D)
+    mask = (offs_h < num_heads)[:, None]
+    ptr = x_ptr + tok * stride_tok + offs_h[:, None] * D + offs_d[None, :]
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    w_q = tl.load(q_w_ptr + offs_d).to(tl.float32)
+    w_k = tl.load(k_w_ptr + offs_d).to(tl.float32)
+    w = tl.where((offs_h < num_q_heads)[:, None], w_q[None, :], w_k[None, :])
+    tl.store(ptr, (x * inv_rms[:, None] * w).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -287,9 +304,11 @@ class LlamaModel:
         """The dense SwiGLU MLP, or on a MoE layer the routed experts."""
         if layer.router is None:
             return F.linear(self._silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+        if self.fused:
+            weights, ids = fused_route(h, layer.router, self.router_cfg)
+            return fused_moe(h, layer.gate_up, layer.down, weights, ids)
         weights, ids = route(h, layer.router, self.router_cfg)
-        experts = fused_moe if self.fused else reference_moe
-        return experts(h, layer.gate_up, layer.down, weights, ids)
+        return reference_moe(h, layer.gate_up, layer.down, weights, ids)
 
     # -- forward ------------------------------------------------------------------------------
     def _attention(self, i: int, layer: LayerWeights, h, positions, meta: AttentionMetadata,
@@ -300,7 +319,11 @@ class LlamaModel:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KH) * D].view(T, KH, D)
         v = qkv[:, (H + KH) * D:].view(T, KH, D)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and self.fused:
+            if T:
+                _head_rms_norm_kernel[(T,)](qkv, layer.q_norm, layer.k_norm, qkv.stride(0), H, H + KH,
+                                            self.eps, HEADS_PAD=_next_pow2(H + KH), D=D, num_warps=4)
+        elif layer.q_norm is not None:
             q.copy_(self._rms_norm_torch(q, layer.q_norm))
             k.copy_(self._rms_norm_torch(k, layer.k_norm))
         self._rope(qkv[:, :(H + KH) * D].view(T, H + KH, D), positions)

@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward for the sample model: router top-k and grouped expert GEMMs.
 
     weights, ids = route(h, router, cfg)                  # [T, top_k] float32, int32
+    weights, ids = fused_route(h, router, cfg)            # the same, softmax + top-k in Triton
     out = fused_moe(h, w_gate_up, w_down, weights, ids)   # Triton: two grouped GEMM launches
     out = reference_moe(h, w_gate_up, w_down, weights, ids)   # plain torch, expert by expert
 
@@ -70,6 +71,44 @@ def route(h: torch.Tensor, router: torch.Tensor, cfg: RouterConfig) -> tuple[tor
     return weights.to(compute), ids.to(torch.int32)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_l, num_experts,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    # One token: softmax over the experts, then TOP_K times the largest probability taken out.
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, E_PAD)
+    x = tl.load(logits_ptr + t * stride_l + offs_e, mask=offs_e < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    offs_k = tl.arange(0, K_PAD)
+    top_w = tl.zeros([K_PAD], tl.float32)
+    top_id = tl.zeros([K_PAD], tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        pick = tl.argmax(p, 0)
+        top_w = tl.where(offs_k == i, best, top_w)
+        top_id = tl.where(offs_k == i, pick.to(tl.int32), top_id)
+        p = tl.where(offs_e == pick, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + t * TOP_K + offs_k, top_w, mask=offs_k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + offs_k, top_id, mask=offs_k < TOP_K)
+
+
+def fused_route(h: torch.Tensor, router: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` with the softmax and top-k in one Triton launch after the router's matmul."""
+    logits = F.linear(h, router)
+    num_tokens = h.shape[0]
+    weights = torch.empty((num_tokens, cfg.top_k), dtype=torch.float32, device=h.device)
+    ids = torch.empty((num_tokens, cfg.top_k), dtype=torch.int32, device=h.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](logits, weights, ids, logits.stride(0), cfg.num_experts,
+                                     TOP_K=cfg.top_k, K_PAD=triton.next_power_of_2(cfg.top_k),
+                                     E_PAD=triton.next_power_of_2(cfg.num_experts), RENORMALIZE=cfg.renormalize,
+                                     num_warps=1 if cfg.num_experts <= 256 else 4)
+    return weights, ids
+
+
 def reference_moe(h, w_gate_up, w_down, weights, ids) -> torch.Tensor:
     """Plain torch: each expert over the tokens routed to it, outputs summed by routing weight;
     computed in float32 (float64 for float64 inputs), returned in h's dtype."""
@@ -117,11 +156,66 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return min(-(-num_pairs // block_m) + num_experts, num_pairs)
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    # One program: count the pairs of each expert, lay the padded runs out, then place each pair
+    # after the earlier pairs of its expert (so runs keep the pairs in index order).
+    offs_e = tl.arange(0, E_PAD)
+    offs_c = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for c in range(0, tl.cdiv(num_pairs, CHUNK)):
+        pair = c * CHUNK + offs_c
+        e = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    total = tl.sum(padded, 0)
+    for c in range(0, tl.cdiv(num_blocks * BLOCK_M, CHUNK)):
+        slot = c * CHUNK + offs_c
+        tl.store(sorted_pairs_ptr + slot, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=slot < num_blocks * BLOCK_M)
+    tl.debug_barrier()   # the padding is written before the pairs overwrite their slots
+    running = tl.zeros([E_PAD], tl.int32)
+    for c in range(0, tl.cdiv(num_pairs, CHUNK)):
+        pair = c * CHUNK + offs_c
+        valid = pair < num_pairs
+        e = tl.load(ids_ptr + pair, mask=valid, other=-1)
+        onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)               # [CHUNK, E_PAD]
+        earlier = tl.cumsum(onehot, 0) - onehot + running[None, :] + pad_start[None, :]
+        tl.store(sorted_pairs_ptr + tl.sum(earlier * onehot, 1), pair, mask=valid)
+        running += tl.sum(onehot, 0)
+    for c in range(0, tl.cdiv(num_blocks, CHUNK)):
+        block = c * CHUNK + offs_c
+        start = block * BLOCK_M
+        expert = tl.sum((pad_end[None, :] <= start[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + block, tl.where(start < total, expert, -1), mask=block < num_blocks)
+
+
+# Above this many pairs the torch ops lay the pairs out (one program would take long); below,
+# one Triton launch replaces their ~20.
+ALIGN_KERNEL_MAX_PAIRS = 16384
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs int32 [blocks × block_m], block_expert int32 [blocks]): the pair indices
-    (token × top_k + slot) grouped by expert, each expert's run padded to a multiple of block_m
-    with the index num_pairs; the expert of each block, -1 for the blocks past the last run.
-    Shapes depend only on ids.shape, num_experts and block_m."""
+    (token × top_k + slot) grouped by expert in index order, each expert's run padded to a
+    multiple of block_m with the index num_pairs; the expert of each block, -1 for the blocks
+    past the last run. Shapes depend only on ids.shape, num_experts and block_m. `use_kernel`:
+    one Triton program (default for up to ALIGN_KERNEL_MAX_PAIRS pairs) or torch ops."""
+    num_pairs = ids.numel()
+    if use_kernel is None:
+        use_kernel = num_pairs <= ALIGN_KERNEL_MAX_PAIRS
+    if use_kernel:
+        blocks = max_blocks(num_pairs, num_experts, block_m)
+        sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+        if blocks:
+            e_pad = max(16, triton.next_power_of_2(num_experts))
+            _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_pairs, block_expert, num_pairs, blocks,
+                                BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 8192 // e_pad), num_warps=4)
+        return sorted_pairs, block_expert
     flat = ids.reshape(-1).long()
     num_pairs = flat.numel()
     blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -154,33 +248,35 @@ def _moe_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= 0:
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        pair_ok = pairs < num_pairs
-        a_rows = (pairs // ROWS_PER_A).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        w_e = w_ptr + expert.to(tl.int64) * stride_we
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :],
-                        mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & n_ok[None, :]
-            w = tl.load(w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            if GATED:
-                w_up = tl.load(w_e + (offs_n[None, :] + N).to(tl.int64) * stride_wn + offs_k[:, None],
-                               mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    # A padding block (expert -1) runs no iteration, so it reads no weights, and stores nothing
+    # (its pairs are all num_pairs). A loop bound rather than a branch keeps the loop pipelined.
+    k_hi = tl.where(expert >= 0, K, 0)
+    expert = tl.maximum(expert, 0)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    a_rows = (pairs // ROWS_PER_A).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)              # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        if WEIGHTED:
-            acc = acc * tl.load(pair_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
-        o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])
+            w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(pair_weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
+    o_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])
 
 
 def _grouped_gemm(a, w, out, sorted_pairs, block_expert, pair_weights, rows_per_a, gated, cfg, n):
