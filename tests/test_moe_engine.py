@@ -83,9 +83,12 @@ def test_fused_route_picks_and_weighs_as_route_does():
         torch.testing.assert_close(w, w_ref)
 
 
-def test_align_pairs_shape_depends_only_on_the_shapes():
-    a = align_pairs(torch.zeros(5, 2, dtype=torch.int32), 4, 4)
-    b = align_pairs(torch.arange(10, dtype=torch.int32).remainder(4).view(5, 2), 4, 4)
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_kernels)])
+def test_align_pairs_shape_depends_only_on_the_shapes(use_kernel):
+    device = DEVICE if use_kernel else "cpu"
+    a = align_pairs(torch.zeros(5, 2, dtype=torch.int32, device=device), 4, 4, use_kernel=use_kernel)
+    b = align_pairs(torch.arange(10, dtype=torch.int32, device=device).remainder(4).view(5, 2), 4, 4,
+                    use_kernel=use_kernel)
     assert a[0].shape == b[0].shape and a[1].shape == b[1].shape
 
 

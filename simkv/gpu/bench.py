@@ -381,7 +381,12 @@ def run_window_bench(out_path, batch: int = 64, context: int = 32768, windows=(1
     out_path.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out_path, index=False)
     command = command or f"python -m simkv.gpu.bench window --out {out_path}"
-    notes = {"window_rows": "blocks_loaded: K pages read per launch, summed over sequences and KV heads, counted "
+    notes = {"timing": "time_us: one call captured in a CUDA graph, replays timed by triton.testing.do_bench "
+             "(median, CUDA events, L2 flushed before each call, warmup 10 ms, rep 50 ms); full_time_us: the same "
+             "for the launch without a window", "steady_timing": "not measured for window rows",
+             "baseline": "none: the same kernel over the full context (full_time_us)",
+             "bytes": "tbps = block_bytes_loaded / time_us (decode rows)",
+             "window_rows": "blocks_loaded: K pages read per launch, summed over sequences and KV heads, counted "
              "by the kernel (load_counts); V reads the same pages. loaded_fraction = block_bytes_loaded / "
              "full_kv_bytes (K and V of every token of every sequence). time_us: one call in a CUDA graph, "
              "do_bench median, L2 flushed; full_time_us: the same launch without a window. rel_err: against "
