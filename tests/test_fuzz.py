@@ -20,12 +20,17 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import simkv
+from simkv.engine.kv.groups import HybridKVCacheManager
 from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.workload.traces import build_trace, load_trace
 import simkv.sim.executor as executor_module
 from simkv.sim.engine import Simulation
 
 EXAMPLES = int(os.environ.get("SIMKV_FUZZ_EXAMPLES", "100"))
+# models with KV cache groups: a 24-token window beside full attention, linear-attention states
+HYBRID_EXAMPLES = int(os.environ.get("SIMKV_FUZZ_HYBRID_EXAMPLES", "30"))
+HYBRID_MODELS = [str(Path(__file__).resolve().parent / "data" / f"tiny-{kind}.json")
+                 for kind in ("window", "linear")]
 FINAL = {"completed", "cancelled", "rejected"}
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake-fast25/synthetic_trace.jsonl"
 
@@ -89,7 +94,7 @@ class SharedReadCount:
 
         def checked_annotate(plan, kv, running):
             self.saved(plan, kv, running)
-            if not isinstance(kv, PagedKVCacheManager):
+            if not isinstance(kv, (PagedKVCacheManager, HybridKVCacheManager)):
                 return
             holders: dict = {}
             for item in plan.scheduled:
@@ -204,6 +209,21 @@ def test_generated_scenarios_run_clean_and_never_share_across_tenants(raw):
     for key in ("preemptions", "swap_fallbacks", "swapped_out_blocks", "requests_cancelled",
                 "requests_rejected", "requests_completed", "cow_copies", "cached_tokens"):
         event(f"{allocator}: {key} > 0: {summary[key] > 0}")
+
+
+@settings(max_examples=HYBRID_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(raw=scenarios(), model=st.sampled_from(HYBRID_MODELS))
+def test_generated_scenarios_of_hybrid_models_run_clean(raw, model):
+    # every group checked every step (the window bound among them); swap falls back to
+    # recompute, samples fan out
+    raw["model"] = model
+    raw["cache"]["allocator"] = "paged"
+    # a request takes blocks in both groups: twice the one-group pool (and a window's extra)
+    raw["cache"]["num_gpu_blocks_override"] = 2 * raw["cache"]["num_gpu_blocks_override"] + 1
+    summary = run_checked(raw).summary
+    event(f"{Path(model).stem}: preemptions > 0: {summary['preemptions'] > 0}")
+    event(f"{Path(model).stem}: cached_tokens > 0: {summary['cached_tokens'] > 0}")
 
 
 # --- tenant isolation on explicit traces -----------------------------------------------------

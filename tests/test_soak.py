@@ -11,6 +11,7 @@ CI runs SIMKV_SOAK_RUNS (default 24) runs; a long run: `SIMKV_SOAK_RUNS=2000 pyt
 """
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,11 @@ from simkv.sim.engine import Simulation
 RUNS = int(os.environ.get("SIMKV_SOAK_RUNS", "24"))
 BASE_SEED = int(os.environ.get("SIMKV_SOAK_SEED", "0"))
 FINAL = {"completed", "cancelled", "rejected"}
+# models with KV cache groups (tests/data): a 24-token window beside full attention, and
+# linear-attention states beside full attention
+HYBRID_RUNS = int(os.environ.get("SIMKV_SOAK_HYBRID_RUNS", "8"))
+HYBRID_MODELS = [str(Path(__file__).resolve().parent / "data" / f"tiny-{kind}.json")
+                 for kind in ("window", "linear")]
 
 
 def random_scenario(seed: int) -> dict:
@@ -102,6 +108,16 @@ def run_checked(raw: dict, trace_df=None):
 @pytest.mark.parametrize("run", range(RUNS))
 def test_random_tight_workload_runs_clean(run):
     run_checked(random_scenario(BASE_SEED + run))
+
+
+@pytest.mark.parametrize("run", range(HYBRID_RUNS))
+def test_random_tight_workload_of_a_hybrid_model_runs_clean(run):
+    raw = random_scenario(BASE_SEED + 10_000 + run)
+    raw["model"] = HYBRID_MODELS[run % 2]
+    raw["cache"]["allocator"] = "paged"         # swap falls back to recompute for groups
+    # a request takes blocks in both groups: twice the one-group pool, and a window's extra
+    raw["cache"]["num_gpu_blocks_override"] = 2 * raw["cache"]["num_gpu_blocks_override"] + 1
+    run_checked(raw)
 
 
 def test_the_soak_mix_covers_every_mode():

@@ -5,6 +5,7 @@ Shared by the simulator and the real engine, so both see the same pool and the s
 from __future__ import annotations
 
 from simkv.engine.kv.contiguous import ContiguousKVCacheManager
+from simkv.engine.kv.groups import HybridKVCacheManager
 from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.engine.scheduler import Scheduler
 from simkv.sizing import size_scenario
@@ -17,6 +18,15 @@ def build_kv_manager(scenario, sizing=None):
         return ContiguousKVCacheManager(sizing.num_blocks, cache.block_size, sched.max_model_len,
                                         watermark=cache.watermark,
                                         num_host_blocks=sizing.num_host_blocks)
+    groups = getattr(sizing, "kv_groups", None) or []
+    if any(g["attention_type"] != "full" for g in groups):
+        # windows or linear-attention states: a table per KV cache group (one full-attention
+        # group, every layer or MLA's latent, stays with the paged manager)
+        return HybridKVCacheManager(groups, sizing.num_blocks, sizing.block_size,
+                                    enable_prefix_caching=cache.enable_prefix_caching,
+                                    watermark=cache.watermark,
+                                    max_num_batched_tokens=sched.max_num_batched_tokens,
+                                    duplicate_blocks=bool(cache.duplicate_blocks))
     return PagedKVCacheManager(sizing.num_blocks, cache.block_size,
                                enable_prefix_caching=cache.enable_prefix_caching,
                                watermark=cache.watermark, num_host_blocks=sizing.num_host_blocks,

@@ -44,6 +44,11 @@ class MetricsRecorder:
         self.blocks_per_seq_hist = [0] * 64
         self.num_steps = 0
         self._observed = None
+        # KV cache groups (a hybrid model's manager keeps `group_used`): blocks in use per group
+        # x step duration, and their peaks; None until observed, False without groups
+        self._group_used = None
+        self.group_block_s: list = []
+        self.group_peak: list = []
         # decode runs' rows, kept per run and laid out among the single steps' rows by
         # steps_frame: where each run starts among the single rows, its length, its constant
         # columns, and its steps' start times, durations and blocks in use, run after run
@@ -71,6 +76,13 @@ class MetricsRecorder:
         slots = kv.allocated_slots(blocks, scheduler.running)
         slot_waste = slots - computed - plan.num_tokens
         self._observed = (plan.step, plan.kv_blocks_used, slot_waste, running)
+        if self._group_used is None:
+            self._group_used = getattr(kv, "group_used", False)
+            if self._group_used:
+                self.group_block_s = [0.0] * len(self._group_used)
+                self.group_peak = [0] * len(self._group_used)
+        if self._group_used:
+            self._group_snapshot = list(self._group_used)
 
     def record_step(self, plan, start_s: float, duration_s: float, scheduler=None) -> None:
         """Record one executed step, with the state `observe` saw while it ran."""
@@ -97,6 +109,11 @@ class MetricsRecorder:
         if used:
             self.frag_s += duration_s * slot_waste / (used * self.block_size)
         self.running_seq_s += running * duration_s
+        if self._group_used:
+            for g, n in enumerate(self._group_snapshot):
+                self.group_block_s[g] += n * duration_s
+                if n > self.group_peak[g]:
+                    self.group_peak[g] = n
         if used > self.used_peak:
             self.used_peak = used
         if running > self.running_peak:
@@ -314,6 +331,13 @@ def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, s
     })
     if scheduler.cap_output_tokens:
         summary["requests_capped"] = int(scheduler.num_capped)   # outputs cut at max_model_len
+    if recorder.group_block_s:
+        # per KV cache group (a hybrid model): blocks in use, time-weighted mean and peak
+        summary["kv_groups"] = [
+            {"group": g, "attention_type": kind, "num_layers": layers,
+             "blocks_used_mean": block_s / busy, "blocks_used_peak": int(peak)}
+            for g, (kind, layers, block_s, peak) in enumerate(zip(
+                kv.kinds, kv.num_layers, recorder.group_block_s, recorder.group_peak))]
     if hasattr(kv, "external_fragmentation"):
         summary["external_fragmentation_end"] = kv.external_fragmentation()
     return {k: (None if isinstance(v, float) and math.isnan(v) else v)
