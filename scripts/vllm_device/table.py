@@ -20,6 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 METRICS = ("ttft_s.mean", "ttft_s.p90", "tpot_s.mean", "e2e_s.mean",
@@ -176,10 +177,14 @@ def measurements_table() -> list:
 
 def step_profile_tables() -> list:
     """vLLM's own step times (step-profile/steps.csv): decode-only steps by batch and context
-    (the ladders' stages, ms) and a prompt injected into a decode batch (ms, its window)."""
+    (the ladders' stages, ms), a prompt injected into a decode batch (ms, its window) by the
+    injection protocol on both machines, prompts arriving at random points of a decode stream
+    (the mix phases), and the ladders measured again (the same engine; another machine:
+    raw-repeat.json.gz, built here, not in the profile)."""
     df = pd.read_csv(RUNS / "step-profile" / "steps.csv")
+    first_of = df["phase"].str.fullmatch(r"(decode-c\d+-b\d+|inject-b\d+|burst-p\d+-n\d+)")
     dec = df[(df["family"] == "decode") & df["phase"].str.startswith("decode-")
-             & ~df["phase"].str.endswith("-r2")].copy()
+             & first_of].copy()
     dec["context"] = dec["phase"].str.extract(r"-c(\d+)-")[0].astype(int)
     batches = [1, 4, 16, 64, 128, 256]
     dec = dec[dec["num_decode_seqs"].isin(batches)]
@@ -190,27 +195,75 @@ def step_profile_tables() -> list:
     for ctx, row in table.iterrows():
         lines.append(f"| {ctx:,} | " + " | ".join("–" if pd.isna(row.get(b)) else
                                                    f"{row[b]:.2f}" for b in batches) + " |")
-    inj = df[df["phase"].str.startswith("inject-") & (df["timing"] == "window")].copy()
+    # the injection protocol (a fixed gap after the previous prompt's end, 3 repeats): round
+    # 3's machine (inject-b<B>), and round 7's (inject-b<B>-r2, in the mix record)
+    inj = df[df["phase"].str.match(r"inject-b\d+") & (df["timing"] == "window")].copy()
     inj["batch"] = inj["phase"].str.extract(r"-b(\d+)")[0].astype(int)
+    inj["round"] = np.where(inj["phase"].str.endswith("-r2"), 7, 3)
     sizes = [16, 128, 384, 512, 1024, 2048, 4096]
     inj = inj[inj["num_prefill_tokens"].isin(sizes)]
-    table = inj.pivot_table(index="num_prefill_tokens", columns="batch", values="time_s",
-                            aggfunc="median") * 1e3
+    table = inj.pivot_table(index="num_prefill_tokens", columns=["batch", "round"],
+                            values="time_s", aggfunc="median") * 1e3
+    cols = sorted({b for b, _ in table.columns})
     lines += ["", "| prompt tokens | " + " | ".join(
-        f"with {b} decode{'s' if b > 1 else ''}" for b in table.columns) + " |",
-        "|---" * (len(table.columns) + 1) + "|"]
+        f"with {b} decode{'s' if b > 1 else ''}" for b in cols) + " |",
+        "|---" * (len(cols) + 1) + "|"]
     for tokens, row in table.iterrows():
-        lines.append(f"| {int(tokens):,} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
-    # the same ladder twice: its decode stages' medians against each other
-    again = df[df["phase"] == "decode-c1024-b256-r2"].set_index("num_decode_seqs")["time_s"]
+        cells = []
+        for b in cols:
+            vals = [f"{row[(b, r)]:.1f}" if (b, r) in row.index and not pd.isna(row[(b, r)])
+                    else "–" for r in (3, 7)]
+            cells.append(vals[0] if vals[1] == "–" else " / ".join(vals))
+        lines.append(f"| {int(tokens):,} | " + " | ".join(cells) + " |")
+    # prompts at random points of a decode stream (round 7's mix phases), window median
+    mix = df[df["phase"].str.startswith("mix-") & (df["timing"] == "window")].copy()
+    if len(mix):
+        labels = [256, 512, 640, 768, 896, 1024, 1152, 1536, 2048]   # MIX_SIZES
+        mix = mix[mix["num_prefill_tokens"].isin(labels)]
+        mix["size"] = mix["num_prefill_tokens"].astype(int)
+        table = mix.pivot_table(index="phase", columns="size", values="time_s",
+                                aggfunc="median", observed=True) * 1e3
+        order = sorted(table.index, key=lambda n: tuple(
+            int(x) if x.isdigit() else 0 for x in
+            pd.Series([n]).str.extract(r"mix-b(\d+)-c(\w+)-o(\d+)").iloc[0]))
+        lines += ["", "| phase (B decodes, context, outputs) | decodes (median) | "
+                  + " | ".join(f"{c:,}" for c in labels) + " |",
+                  "|---" * (len(labels) + 2) + "|"]
+        for name in order:
+            med = int(mix.loc[mix["phase"] == name, "num_decode_seqs"].median())
+            lines.append(f"| {name} | {med} | " + " | ".join(
+                "–" if pd.isna(table.loc[name].get(c)) else f"{table.loc[name][c]:.1f}"
+                for c in labels) + " |")
+    # the same ladder again: in the same engine (-r2), on round 7's machine (-r3)
     first = df[(df["phase"] == "decode-c1024-b256") & (df["family"] == "decode")]
     first = first.set_index("num_decode_seqs")["time_s"]
-    both = [b for b in first.index if b in again.index]
-    if both:
-        diff = [abs(again[b] / first[b] - 1) for b in both]
-        lines += ["", f"decode-c1024-b256 measured twice: its {len(both)} decode batches "
-                  f"({', '.join(str(int(b)) for b in both)}) {max(diff) * 100:.1f}% apart at most"]
-    return lines
+    for again_name, where in (("decode-c1024-b256-r2", "in the same engine"),
+                              ("decode-c1024-b256-r3", "on round 7's machine")):
+        again = df[df["phase"] == again_name].set_index("num_decode_seqs")["time_s"]
+        both = [b for b in first.index if b in again.index]
+        if both:
+            diff = [abs(again[b] / first[b] - 1) for b in both]
+            lines += ["", f"decode-c1024-b256 again {where}: its {len(both)} decode batches "
+                      f"({', '.join(str(int(b)) for b in both)}) {max(diff) * 100:.1f}% apart "
+                      "at most"]
+    repeat = RUNS / "step-profile" / "raw-repeat.json.gz"
+    if repeat.exists():
+        import gzip
+        import json
+        import tempfile
+
+        from simkv.gpu.vllm.step_profile import build_profile
+        with tempfile.TemporaryDirectory() as tmp:
+            build_profile(json.loads(gzip.decompress(repeat.read_bytes())), tmp)
+            other = pd.read_csv(Path(tmp) / "steps.csv")
+        keys = ["phase", "step", "num_decode_seqs"]
+        both = df[(df["family"] == "decode") & df["phase"].str.startswith("decode-")].merge(
+            other[other["family"] == "decode"], on=keys, suffixes=("", "_repeat"))
+        ratio = both["time_s_repeat"] / both["time_s"]
+        lines += ["", f"round 3's phases again on round 7's machine (raw-repeat.json.gz): "
+                  f"{len(both)} decode-ladder rows, repeat / profile median "
+                  f"{ratio.median():.3f} (p10 {ratio.quantile(0.1):.3f}, p90 "
+                  f"{ratio.quantile(0.9):.3f})"]
     return lines
 
 
