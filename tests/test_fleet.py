@@ -12,6 +12,7 @@ from simkv.engine.results import csv_text
 from simkv.errors import InputError
 from simkv.sim.cluster.router import assign
 from simkv.sim.engine import simulate
+from simkv.sim.executor import CostModelExecutor
 from simkv.workload.frames import load_requests_frame
 from tests.test_config import write
 
@@ -107,14 +108,19 @@ def test_a_state_dependent_router_gives_the_step_by_step_results(policy, refresh
     monkeypatch.setattr(DecodeRun, "commit",
                         lambda self, ends, rec: (runs.append(len(ends) - 1),
                                                  commit(self, ends, rec)))
+    cuts = []
+    cut_run = CostModelExecutor.cut_run
+    monkeypatch.setattr(CostModelExecutor, "cut_run",
+                        lambda self, *a: (cuts.append(1), cut_run(self, *a)))
     fast = simulate(scn)
     took = list(runs)
     exact = simulate(scn, exact=True)
     assert csv_text(fast.requests) == csv_text(exact.requests)
     assert csv_text(fast.steps) == csv_text(exact.steps)
     assert fast.summary["replicas"] == exact.summary["replicas"]
-    # every router but kv_aware keeps decode runs between the fleet's arrivals
+    # every router but kv_aware keeps decode runs, cut where an arrival is routed inside one
     assert (sum(took) > 0.2 * len(fast.steps)) == (policy != "kv_aware"), sum(took)
+    assert (len(cuts) > 10) == (policy != "kv_aware"), len(cuts)
     assert len(runs) == len(took)          # the exact run takes none
 
 

@@ -203,6 +203,15 @@ class ClockedCostModel(TermModel):
         """Start a run with the GPU idle (full clock)."""
         self.state.reset()
 
+    def save_state(self) -> tuple:
+        """The clock state, for `restore_state` (a fleet cutting a decode run short)."""
+        state = self.state
+        return state.level, state.mhz, state.free_at_s
+
+    def restore_state(self, saved: tuple) -> None:
+        state = self.state
+        state.level, state.mhz, state.free_at_s = saved
+
     def term_values(self, plan) -> tuple:
         """The profile's terms, the scale's and the clock's. The forward pass is clocked from
         the step's start; the engine's host time, copies and swaps (which run on the host or

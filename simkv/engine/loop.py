@@ -12,7 +12,10 @@ it needs from the clock and the driver sends back the time:
 - `IDLE`: nothing can run; the driver waits for the next arrival or cancellation and sends the
   time then, or sends None when no more will come (the loop ends);
 - `HORIZON` (only with `decode_runs`): the driver sends the time of the next arrival or
-  cancellation it knows of (inf: none) and lets no time pass.
+  cancellation it knows of (inf: none) and lets no time pass;
+- a `RunSteps` (only with `cut_runs`): a decode run's step ends; the driver lets time pass to
+  the last of them, or to an earlier one where something reached the replica inside the run,
+  and sends the end it stopped at; the loop then keeps the run's steps up to there.
 
 With `decode_runs` and an executor that times decode runs (`run_seconds`, the simulator's), a
 plan that only decodes the batch starts a decode run (simkv.engine.decode_run): it and the
@@ -52,8 +55,18 @@ class Executor(Protocol):
         """The scheduler has finished the step (the GPU poisons freed blocks in debug runs)."""
 
 
+class RunSteps:
+    """A decode run for the driver to let pass (module doc): `run` (simkv.engine.decode_run)
+    and `ends` (its start, then each step's end, as the clock adds them up)."""
+
+    __slots__ = ("run", "ends")
+
+    def __init__(self, run, ends: list):
+        self.run, self.ends = run, ends
+
+
 def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_step=None,
-          decode_runs: bool = False, async_scheduling: bool = False, on_run=None):
+          decode_runs: bool = False, async_scheduling: bool = False, cut_runs: bool = False):
     """Serve until the driver says nothing more will arrive (module doc for the protocol).
 
     `recorder` observes each plan before it runs and records it after (start, duration);
@@ -61,8 +74,8 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
     decode run); `on_step(plan, end_s)` is called after each step (each decode run);
     `decode_runs` takes decode runs together where the executor can time them;
     `async_scheduling` schedules each step as the one before it starts (module doc), without
-    decode runs; `on_run(run, steps)` is called as a decode run of `steps` steps starts and
-    `on_run(None, 0)` once it has been committed (a fleet's router counts its blocks)."""
+    decode runs; `cut_runs` hands each decode run to the driver as a `RunSteps`, which may
+    stop it at an earlier step's end (a fleet's arrival routed to the replica inside it)."""
     kv = scheduler.kv
     runs = getattr(executor, "run_seconds", None) if decode_runs and not async_scheduling \
         else None
@@ -96,15 +109,18 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
             ends = [now]
             for s in seconds:               # as the driver's clock adds them, step by step
                 ends.append(ends[-1] + s)
-            if on_run is not None:
-                on_run(run, len(seconds))
-            for delay in hops(ends):
-                end = yield delay
+            if cut_runs:
+                end = yield RunSteps(run, ends)
+                if end != ends[-1]:         # stopped at step k's end: keep steps 1..k
+                    k = ends.index(end)
+                    executor.cut_run(run, now, ends[:k + 1])
+                    ends = ends[:k + 1]
+            else:
+                for delay in hops(ends):
+                    end = yield delay
             if end != ends[-1]:
                 raise RuntimeError(f"decode run: the clock reads {end!r}, not {ends[-1]!r}")
             run.commit(ends, recorder)      # at the end, as each step finishes at its end
-            if on_run is not None:
-                on_run(None, 0)
             step_done(plan)
             if check_integrity:
                 kv.check_integrity()

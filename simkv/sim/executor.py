@@ -23,6 +23,8 @@ class CostModelExecutor:
         if step_terms:
             self.execute = self._execute_with_terms
         self._predict = cost_model.predict
+        self.keep_run_state = False        # a decode run may be cut short (`cut_run`)
+        self._state_before_run = None
 
     def _count_features(self, plan) -> None:
         kv = self.kv
@@ -46,6 +48,9 @@ class CostModelExecutor:
         predicts for each step's plan, the model's state advanced over them. A model with
         `decode_run_seconds` times them in closed form; any other one step by step, from
         `run.plan_at`."""
+        if self.keep_run_state:
+            save = getattr(self.cost_model, "save_state", None)
+            self._state_before_run = save() if save is not None else None
         shared = decode_run_shared_reads(run, self.kv)
         fast = getattr(self.cost_model, "decode_run_seconds", None)
         if fast is not None:
@@ -62,6 +67,17 @@ class CostModelExecutor:
             out.append(seconds)
             now_s = now_s + seconds
         return out
+
+    def cut_run(self, run, now_s: float, ends: list) -> None:
+        """The run timed last (`run_seconds` from `now_s`) stops after its first len(ends) - 1
+        steps (`ends`: its start and those steps' ends): the model's state goes back to where
+        it was before the run and moves over those steps only, as if they had been the run."""
+        if self._state_before_run is not None:
+            self.cost_model.restore_state(self._state_before_run)
+        seconds = self.run_seconds(run, now_s, ends[-1])
+        if len(seconds) != len(ends) - 1 or any(
+                ends[k] + s != ends[k + 1] for k, s in enumerate(seconds)):
+            raise RuntimeError("decode run: its steps timed again differ from the first time")
 
     def step_done(self, plan) -> None:
         """Nothing to do after a simulated step."""

@@ -12,14 +12,17 @@ replica):
   separate run of its requests would (tests/test_fleet.py) and as fast;
   (they cannot see one another, so each runs on its own clock, one after another);
 - the other routers choose at each arrival from the replicas' state: one arrival process
-  routes every request, and a replica's horizon is the fleet's next arrival (any one may be
-  routed to it), its own next cancellation or the routers' next refresh, so nothing reaches a
-  replica inside a run. What a router reads inside a run is what the steps one by one would
-  show: request counts do not change inside a run (least_requests, prefix_affinity), and the
-  blocks a run takes (committed at its end) are counted as in use while it runs (least_kv:
-  every step of the run has started by the next arrival). kv_aware also reads each replica's
-  prefix index, whose evictions a run applies at its end, so its replicas take every step one
-  by one. Under prefill/decode pools the horizon is the next event anywhere in the fleet.
+  routes every request. A replica's decode run is planned to its own next cancellation (or, to
+  bound the steps timed in vain, the fleet's N-th next arrival, N the pool's replicas), and an
+  arrival routed to the replica inside the run cuts it at the end of the step in flight: the
+  steps up to there are kept (the cost model's clock state moved over them only), and the next
+  plan sees the arrival, as the steps one by one would. What a router reads inside a run is
+  what the steps one by one would show: request counts do not change inside a run
+  (least_requests, prefix_affinity), and the blocks of the steps that have started are counted
+  as in use (least_kv; a run commits its blocks at its end). kv_aware also reads each
+  replica's prefix index, whose evictions a run applies at its end, so its replicas take every
+  step one by one. Under prefill/decode pools the horizon is the next event anywhere in the
+  fleet and runs are not cut.
 
 Prefill/decode pools (simkv.sim.cluster.disagg): a request is prefilled on a prefill replica
 (its first output token sampled there and not returned), its KV sent over the link to a decode
@@ -28,6 +31,7 @@ first token the client sees.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import heapq
 import math
@@ -39,7 +43,7 @@ import simpy
 from simkv.config.cluster import STATE_INDEPENDENT
 from simkv.costmodel import load_cost_model
 from simkv.engine.build import build_scheduler
-from simkv.engine.loop import HORIZON, IDLE, NOW, serve
+from simkv.engine.loop import HORIZON, IDLE, NOW, RunSteps, delay_to, hops, serve
 from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.sim.cluster import summary as fleet_summary
 from simkv.sim.cluster.router import READS_KV, Router, assign
@@ -67,7 +71,9 @@ class Replica:
         self.next_arrival_s = math.inf       # its own pending arrival (own-horizon mode)
         self.cancel_at: list = []            # heap of its pending cancellation timers
         self.on_step = None                  # called after each step (P/D hand-offs)
-        self.run_blocks = 0                  # blocks the decode run in flight takes
+        self.process = None                  # its driver (a SimPy process)
+        self.run_steps = None                # the decode run in flight (loop.RunSteps)
+        self.cut_to = None                   # the step it is cut at (an arrival inside it)
         self.before_schedule = None          # called before the loop plans (P/D parking)
 
     # -- what a router reads --------------------------------------------------------------------
@@ -77,11 +83,15 @@ class Replica:
 
     def kv_used_fraction(self) -> float:
         kv = self.scheduler.kv
-        return (kv.num_used_blocks + self.run_blocks) / kv.num_blocks
+        used = kv.num_used_blocks
+        if self.run_steps is not None:       # the blocks of the run's steps started so far
+            used += self.run_steps.run.blocks_taken(self._step_in_flight())
+        return used / kv.num_blocks
 
-    def on_run(self, run, steps: int) -> None:
-        """A decode run of `steps` steps starts (run None: it has been committed)."""
-        self.run_blocks = run.blocks_taken(steps) if run is not None else 0
+    def _step_in_flight(self) -> int:
+        """The step of the run in flight at the fleet's time (k: ends[k - 1] < now <= ends[k];
+        step 1 at the run's start)."""
+        return max(1, bisect.bisect_left(self.run_steps.ends, self.fleet.env.now))
 
     # -- events ----------------------------------------------------------------------------------
     def notify(self) -> None:
@@ -92,6 +102,11 @@ class Replica:
         self.scheduler.add_request(req, now)
         if not math.isnan(req.cancel_after_s):
             self.fleet.cancel_timer(self, req)
+        if self.run_steps is not None and self.cut_to is None:
+            k = self._step_in_flight()
+            if k < len(self.run_steps.ends) - 1:     # the next plan is step k's end's
+                self.cut_to = k
+                self.process.interrupt()
         self.notify()
 
 
@@ -132,8 +147,10 @@ class Fleet:
             policy == "kv_aware" and len(self.replicas) > 1) or self.disagg is not None \
             and policy in READS_KV
         self.decode_runs = not step_by_step
-        self.next_arrival_s = math.inf       # the routed arrival process's pending one
-        self.next_refresh_s = math.inf
+        # routed replicas' runs are cut where an arrival reaches them
+        self.cut_runs = self.decode_runs and not self.own_horizon and self.disagg is None
+        self.arrival_times: list = []        # the routed arrivals' times, in order
+        self.arrived = 0                     # how many of them have arrived
         self._arrivals_left = len(self.replicas) if self.own_horizon else 1
         self.finished = False
 
@@ -160,9 +177,8 @@ class Fleet:
         for req in requests:
             delay = req.arrival_s - env.now
             if delay > 0:
-                self.next_arrival_s = env.now + delay
                 yield env.timeout(delay)
-            self.next_arrival_s = math.inf
+            self.arrived += 1
             if self.disagg is not None:
                 self.disagg.arrive(req, env.now)
                 continue
@@ -194,7 +210,6 @@ class Fleet:
         while not self.finished:
             for router in self.routers.values():
                 router.refresh()
-            self.next_refresh_s = env.now + period
             yield env.timeout(period)
 
     # -- one replica's loop -----------------------------------------------------------------------
@@ -205,7 +220,9 @@ class Fleet:
             return min(replica.next_arrival_s, cancel)
         if self.disagg is not None:
             return self.env.peek()
-        return min(self.next_arrival_s, self.next_refresh_s, cancel)
+        ahead = self.arrived + len(self.by_role[replica.pool.role]) - 1
+        times = self.arrival_times
+        return min(times[ahead] if ahead < len(times) else math.inf, cancel)
 
     def _drive(self, replica, loop):
         """Run a replica's serving loop on the clock (simkv.engine.loop's protocol)."""
@@ -217,6 +234,20 @@ class Fleet:
                 reply = env.now
             elif command is HORIZON:
                 reply = self._horizon(replica)
+            elif type(command) is RunSteps:
+                replica.run_steps, ends = command, command.ends
+                try:
+                    for delay in hops(ends):
+                        yield env.timeout(delay)
+                    reply = env.now
+                except simpy.Interrupt:      # an arrival inside: stop at the step's end
+                    reply = ends[replica.cut_to]
+                    delay = delay_to(env.now, reply)
+                    if delay is None:
+                        raise RuntimeError(f"{replica.name}: no delay from {env.now!r} to "
+                                           f"{reply!r}") from None
+                    yield env.timeout(delay)
+                replica.run_steps = replica.cut_to = None
             elif command is IDLE:
                 if not scheduler.has_unfinished() and replica.arrivals_done \
                         and not (self.disagg and self.disagg.pending_for(replica)):
@@ -267,9 +298,11 @@ class Fleet:
                 end_s = max(end_s, env.now)
             self.env = simpy.Environment(initial_time=end_s)
             return self._results(wall_start, SimResult)
+        self.arrival_times = [req.arrival_s for req in requests]
         env.process(self._routed_arrivals(requests))
         for replica in self.replicas:
-            env.process(self._drive(replica, self._serve(replica)))
+            replica.executor.keep_run_state = self.cut_runs
+            replica.process = env.process(self._drive(replica, self._serve(replica)))
         if self.cluster.router.refresh_s > 0:
             env.process(self._refresher())
         env.run()
@@ -282,8 +315,7 @@ class Fleet:
                      if replica.on_step is not None else None,
                      decode_runs=self.decode_runs,
                      async_scheduling=replica.scenario.scheduler.async_scheduling,
-                     on_run=replica.on_run if self.cluster.router.policy in READS_KV
-                     else None)
+                     cut_runs=self.cut_runs)
 
     # -- results ---------------------------------------------------------------------------------
     def _results(self, wall_start: float, SimResult):
