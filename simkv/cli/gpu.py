@@ -73,6 +73,10 @@ def profile(
         None, "--pin-cpu", metavar="N",
         help="Run pinned to CPU N (then measure validations with `simkv validate measure "
              "--pin-cpu N` too)."),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", "--tp",
+        help="Profile a replica of N GPUs, one process per rank (steps, transfers and "
+             "all-reduce times; folder profiles/<gpu>/<model>-tp<N>/)."),
 ) -> int:
     """Measure step costs, transfers and the memory ledger on a GPU; writes raw CSVs."""
     int_list(block_sizes, "--block-sizes")
@@ -80,7 +84,9 @@ def profile(
     argv = ["--model", model, "--block-sizes", block_sizes, *flag("--out", out),
             *(["--quick"] if quick else []), *flag("--device", device),
             *flag("--time-budget-s", time_budget_s), *flag("--reps", reps),
-            *flag("--parts", parts), *flag("--pin-cpu", pin_cpu)]
+            *flag("--parts", parts), *flag("--pin-cpu", pin_cpu),
+            *(["--tensor-parallel-size", str(tensor_parallel_size)]
+              if tensor_parallel_size != 1 else [])]
     return call_main(profiler_main, argv + (["--fit"] if fit else []),
                      **(_fit_hook(profiler_main) if fit else {}))
 

@@ -179,13 +179,22 @@ def launch(world_size: int, job: dict, backend: str | None = None):
             return pickle.load(f)
 
 
-def _rank_engine(scenario, rank: int, world_size: int, device: str, job: dict):
-    """This rank's Engine: its executor builds the rank's shards; its clock is rank 0's."""
-    from simkv.engine.build import build_scheduler
+def rank_engine(scenario, rank: int, world_size: int, device: str, job: dict,
+                executor=None):
+    """This rank's Engine (on `executor`, else a new one of the rank's shards); its clock is
+    rank 0's. `job`: dtype, attention, enforce_eager, check_integrity (each optional)."""
     from simkv.gpu.engine import Engine
+    if executor is None:
+        executor = _rank_executor(scenario, rank, world_size, device, job)
+    return rank_0_clock(Engine)(scenario, device, executor=executor,
+                                check_integrity=job.get("check_integrity", False))
+
+
+def _rank_executor(scenario, rank: int, world_size: int, device: str, job: dict):
+    from simkv.engine.build import build_scheduler
     from simkv.gpu.executor import GpuExecutor
     _, sizing = build_scheduler(scenario)
-    executor = GpuExecutor(
+    return GpuExecutor(
         scenario.model, sizing.num_blocks, scenario.cache.block_size, sizing.num_host_blocks,
         device=device, dtype=job.get("dtype"), attention=job.get("attention"),
         enforce_eager=job.get("enforce_eager", False), seed=scenario.seed,
@@ -193,14 +202,12 @@ def _rank_engine(scenario, rank: int, world_size: int, device: str, job: dict):
         max_model_len=scenario.scheduler.max_model_len,
         max_num_batched_tokens=scenario.scheduler.max_num_batched_tokens,
         model_factory=model_factory(rank, world_size))
-    return rank_0_clock(Engine)(scenario, device, executor=executor,
-                                check_integrity=job.get("check_integrity", False))
 
 
 def _offline_job(rank: int, world_size: int, device: str, job: dict) -> dict:
     """Every arrival at 0 (simkv.gpu.engine.run_offline's run on this rank)."""
     from simkv.gpu.engine import _fresh
-    engine = _rank_engine(job["scenario"], rank, world_size, device, job)
+    engine = rank_engine(job["scenario"], rank, world_size, device, job)
     wall0 = time.perf_counter()
     duration = engine.run([_fresh(r) for r in job["requests"]], realtime=False)
     result = engine.result(duration, time.perf_counter() - wall0)
@@ -234,7 +241,7 @@ def _replay_job(rank: int, world_size: int, device: str, job: dict) -> dict:
     frame = job.get("trace_df")
     if frame is None:
         frame = load_requests_frame(scenario)
-    engine = _rank_engine(scenario, rank, world_size, device, job)
+    engine = rank_engine(scenario, rank, world_size, device, job)
     duration = engine.run(requests_from_frame(frame), realtime=job["realtime"])
     result = engine.result(duration, time.perf_counter() - wall0)
     result.summary["tensor_parallel_size"] = world_size

@@ -42,13 +42,12 @@ class _Bench:
 
     def engine(self, scn, frame):
         from simkv.sizing import size_scenario
-        from simkv.gpu.engine import Engine
         sizing = size_scenario(scn)
         key = self._executor_key(scn, sizing.num_blocks)
         if key != self.executor_key:
             self.release()
             t0 = time.perf_counter()
-            engine = Engine(scn, self.device)
+            engine = self.new_engine(scn)
             self.executor, self.executor_key = engine.executor, key
             self.setup = {"executor_build_s": time.perf_counter() - t0}
             if self.warmup_requests:   # every kernel variant compiled before a timed run
@@ -59,7 +58,12 @@ class _Bench:
                 self.setup["warmup_s"] = time.perf_counter() - t0
                 self.setup["warmup_requests"] = len(warm)
             return engine
-        return Engine(scn, self.device, executor=self.executor)
+        return self.new_engine(scn, self.executor)
+
+    def new_engine(self, scn, executor=None):
+        """An Engine of `scn` (on `executor` when given; a tensor-parallel rank's differs)."""
+        from simkv.gpu.engine import Engine
+        return Engine(scn, self.device, executor=executor)
 
     def release(self) -> None:
         if self.executor is None:
@@ -188,8 +192,15 @@ def measure_many(scenario_paths, out_root, device: str = "cuda", *, data_dir=Non
     for path in scenario_paths:
         scn = load_validation_scenario(path, data_dir)
         t0 = time.perf_counter()
-        outs.append(measure_validation(scn, Path(out_root) / scn.name, device,
-                                       write_trace=write_trace, _bench=bench))
+        if scn.tensor_parallel_size > 1:     # one process per rank
+            from simkv.validation.tensor_parallel import measure_tensor_parallel
+            bench.release()
+            outs.append(measure_tensor_parallel(path, Path(out_root) / scn.name, device,
+                                                data_dir=data_dir, progress=progress,
+                                                write_trace=write_trace))
+        else:
+            outs.append(measure_validation(scn, Path(out_root) / scn.name, device,
+                                           write_trace=write_trace, _bench=bench))
         print(f"[validate] measured {scn.name} in {time.perf_counter() - t0:.1f} s -> "
               f"{outs[-1]}", file=sys.stderr, flush=True)
     bench.release()

@@ -8,6 +8,7 @@ import sys
 from simkv.errors import InputError
 from simkv.gpu.profiler.parts import OPTIONAL_PARTS, PARTS
 from simkv.gpu.profiler.run import run_profile
+from simkv.gpu.profiler.tensor_parallel import TP_PARTS
 
 DESCRIPTION = "The profiling pass: the real executor over a designed grid of step compositions."
 
@@ -27,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", action="store_true", help="run `simkv fit` on the result")
     p.add_argument("--pin-cpu", type=int, default=None, metavar="N",
                    help="run pinned to CPU N (run the validation engine pinned as well)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="profile a replica of N ranks, one process each (parts: steps, "
+                        "transfers, allreduce; folder <model>-tp<N>)")
     return p
 
 
@@ -38,13 +42,21 @@ def main(argv=None, fit_profile=None) -> int:
     cli = parser()
     args = cli.parse_args(argv)
     sizes = tuple(int(b) for b in args.block_sizes.split(","))
+    tp = args.tensor_parallel_size
+    if tp > 1 and args.parts == ",".join(PARTS):      # the default set of a TP profile
+        args.parts = ",".join(TP_PARTS)
     parts = tuple(p for p in args.parts.split(",") if p)
-    unknown = [p for p in parts if p not in PARTS + OPTIONAL_PARTS]
+    known = TP_PARTS if tp > 1 else PARTS + OPTIONAL_PARTS
+    if tp < 1:
+        cli.error(f"--tensor-parallel-size must be at least 1, got {tp}")
+    if tp > 1 and args.pin_cpu is not None:
+        cli.error("--pin-cpu pins one process: not with --tensor-parallel-size")
+    unknown = [p for p in parts if p not in known]
     if args.reps is not None and args.reps < 1:
         cli.error(f"--reps must be at least 1, got {args.reps}")
     if unknown:
         cli.error(f"unknown part(s) {', '.join(unknown)} "
-                  f"(choose from {', '.join(PARTS + OPTIONAL_PARTS)})")
+                  f"(choose from {', '.join(known)})")
     if "rested" in parts and "steps" not in parts:
         cli.error("the rested part times the step grid again: it needs the steps part")
     if "serving" in parts and "engine" not in parts:
@@ -54,9 +66,14 @@ def main(argv=None, fit_profile=None) -> int:
         cli.error("--fit needs the fitting: run `python -m simkv.gpu.profiler`, or `simkv fit "
                   "DIR` afterwards")
     try:
-        out = run_profile(args.model, sizes, args.out, args.quick, args.device,
-                          reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,
-                          pin_cpu=args.pin_cpu)
+        if tp > 1:
+            from simkv.gpu.profiler.tensor_parallel import run_tp_profile
+            out = run_tp_profile(args.model, tp, sizes, args.out, args.quick, args.device,
+                                 reps=args.reps, time_budget_s=args.time_budget_s, parts=parts)
+        else:
+            out = run_profile(args.model, sizes, args.out, args.quick, args.device,
+                              reps=args.reps, time_budget_s=args.time_budget_s, parts=parts,
+                              pin_cpu=args.pin_cpu)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

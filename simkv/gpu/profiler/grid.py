@@ -44,15 +44,17 @@ def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
     return _summary(times, walls)
 
 
-def profiling_executor(model, num_blocks: int, block_size: int, device, seed: int = 0):
+def profiling_executor(model, num_blocks: int, block_size: int, device, seed: int = 0,
+                       model_factory=None):
     """A GpuExecutor as the profiler times steps on it: the engine's graph sizes for
     max_num_seqs MAX_NUM_SEQS and 8,192 batched tokens, no swap space, random K/V (never time
-    on zeros). The probes in benchmarks/ build theirs here too."""
+    on zeros). The probes in benchmarks/ build theirs here too. `model_factory`: a
+    tensor-parallel rank's shards (simkv.gpu.tensor_parallel.model_factory)."""
     import torch
     from simkv.gpu.executor import GpuExecutor
     executor = GpuExecutor(model, num_blocks, block_size, num_host_blocks=0, device=str(device),
                            seed=seed, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=8192,
-                           profile_memory=False)
+                           profile_memory=False, model_factory=model_factory)
     with torch.inference_mode():
         executor.caches.normal_()
     return executor
@@ -70,7 +72,8 @@ def _summary(times: list, walls: list) -> dict:
             "reps": len(times)}
 
 
-def profile_block_size(executor, points, rng, reps: int, log, rested: bool = False) -> list:
+def profile_block_size(executor, points, rng, reps: int, log, rested: bool = False,
+                       agree=None) -> list:
     """Time every composition on one executor; rows for steps.csv.
 
     The repetitions are interleaved: a warm-up round over the whole design, then `reps` timed
@@ -81,16 +84,21 @@ def profile_block_size(executor, points, rng, reps: int, log, rested: bool = Fal
 
     `rested`: then each composition again after REST_S of idle, RESTED_STEPS steps back to back,
     the fastest as `rested_s`: a diagnostic of the clock state, which no model uses (what it
-    showed on the H200 is in docs/profiling.md)."""
+    showed on the H200 is in docs/profiling.md). `agree(values) -> values`: on a tensor-parallel
+    rank, rank 0's decision of which steps are long (every rank must run the same steps)."""
     bs = executor.block_size
     plans, graphed = _warm_up(executor, points, rng)
     times = [[] for _ in points]
     walls = [[] for _ in points]
     preps = [[] for _ in points]
     with frozen_heap():      # as the engine serves: the plans and executor out of collections
+        long = []
         for r in range(reps):
+            if r == 3:
+                long = [t[0] > LONG_STEP_S for t in times]
+                long = agree(long) if agree is not None else long
             for i, plan in enumerate(plans):
-                if r >= 3 and times[i][0] > LONG_STEP_S:
+                if r >= 3 and long[i]:
                     continue
                 t0 = time.perf_counter()
                 executor.execute(plan)

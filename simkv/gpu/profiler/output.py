@@ -33,6 +33,9 @@ def _write(out: Path, meta: dict, data: dict) -> None:
         _write_csv(out / "engine_host.csv", data["engine"], ENGINE_FIELDS)
     if data.get("serving"):
         _write_csv(out / "serving_host.csv", data["serving"], SERVING_FIELDS)
+    if data.get("allreduce"):
+        from simkv.gpu.profiler.tensor_parallel import ALLREDUCE_FIELDS
+        _write_csv(out / "allreduce.csv", data["allreduce"], ALLREDUCE_FIELDS)
     if data["noise"]:
         _write_csv(out / "host_noise.csv", data["noise"], NOISE_FIELDS)
     name = "meta.json" if "steps" in parts else "meta-partial.json"

@@ -42,7 +42,10 @@ class _Pass:
     started: float
     data: dict = field(default_factory=lambda: {
         "steps": [], "swaps": [], "copies": [], "memory": [], "ledger": None, "noise": [],
-        "engine": [], "serving_ledger": None, "serving": []})
+        "engine": [], "serving_ledger": None, "serving": [], "allreduce": []})
+    tensor_parallel: tuple | None = None     # (rank, ranks) of a TP profile's rank
+    model_factory: object = None             # its shards (simkv.gpu.tensor_parallel)
+    agree: object = None                     # rank 0's decisions (profiler.tensor_parallel)
 
     @property
     def cuda(self) -> bool:
@@ -52,7 +55,7 @@ class _Pass:
 def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quick: bool = False,
                 device: str | None = None, seed: int = 0, reps: int | None = None,
                 time_budget_s: float | None = None, parts=PARTS, log=print,
-                pin_cpu: int | None = None) -> Path:
+                pin_cpu: int | None = None, tensor_parallel: tuple | None = None) -> Path:
     """Profile `model_name` (bundled name or config path) and write the raw data; returns the dir.
 
     `parts`: any of "steps" (the step grid, every block size), "rested" (with "steps": each
@@ -64,9 +67,12 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     rewritten after every block size; with `time_budget_s`, block sizes that would not finish
     in time are skipped (and left out of meta.json's `block_sizes`). meta.json is written when
     the step grid is measured, `meta-partial.json` otherwise. `pin_cpu`: run pinned to this CPU
-    (simkv.gpu.host; then run the validation engine pinned too).
+    (simkv.gpu.host; then run the validation engine pinned too). `tensor_parallel`: (rank,
+    ranks) of one rank of a TP profile, in the process group simkv.gpu.profiler.tensor_parallel
+    starts: rank 0 writes profiles/<gpu>/<model>-tp<N>/ with every rank's all-reduce times.
     """
     import torch
+    from simkv.parallel import profile_name
     from simkv.specs import load_model, profiles_dir
 
     started = time.perf_counter()
@@ -75,6 +81,21 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     run = _Pass(model, dev, seed, np.random.default_rng(seed), design(quick),
                 reps or (2 if quick else 5), quick, parts, log, started)
+    writes = True
+    if tensor_parallel is not None:
+        from simkv.gpu import tensor_parallel as tp_engine
+        from simkv.gpu.profiler import tensor_parallel as tp_profile
+        rank, ranks = tensor_parallel
+        run.tensor_parallel, run.agree = tensor_parallel, tp_profile.agree
+        run.model_factory = tp_engine.model_factory(rank, ranks)
+        writes = rank == 0
+        if "allreduce" in parts:
+            rows = tp_profile.measure_allreduce(
+                dev, tp_profile.QUICK_SIZES if quick else tp_profile.ALLREDUCE_SIZES,
+                reps=5 if quick else 20)
+            run.data["allreduce"] = tp_profile.gather_rows(rows)
+            log(f"  all-reduce: {len(tp_profile.ALLREDUCE_SIZES if not quick else tp_profile.QUICK_SIZES)}"
+                f" message sizes on {ranks} ranks")
     command = _command()
     if not ("steps" in parts or "transfers" in parts):
         block_sizes = [b for b in block_sizes if b == LEDGER_BLOCK_SIZE] or [LEDGER_BLOCK_SIZE]
@@ -89,7 +110,11 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     block_sizes = sorted(block_sizes, key=lambda b: b != LEDGER_BLOCK_SIZE)
     done, longest = [], 0.0
     for bs in block_sizes:
-        if time_budget_s and done and time.perf_counter() - started + longest > time_budget_s:
+        over = bool(time_budget_s and done
+                    and time.perf_counter() - started + longest > time_budget_s)
+        if run.agree is not None:
+            over = run.agree(over)
+        if over:
             log(f"  time budget of {time_budget_s:.0f} s reached: block sizes "
                 f"{[b for b in block_sizes if b not in done]} not profiled")
             break
@@ -98,14 +123,17 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
         done.append(bs)
         longest = max(longest, time.perf_counter() - bs_start)
         meta = _profile_meta(run, sorted(done), executor_info, command, smi_before)
-        out = out or profiles_dir() / meta["gpu"] / model.name
-        _write(out, meta, run.data)   # after every block size
+        out = out or profiles_dir() / meta["gpu"] / profile_name(
+            model.name, run.tensor_parallel[1] if run.tensor_parallel else 1)
+        if writes:
+            _write(out, meta, run.data)   # after every block size
         log(f"  {meta['profile_seconds']:.0f} s elapsed")
     if "serving" in parts and run.data["engine"]:
         _serving_pass(run, meta)
     if run.cuda:
         meta["nvidia_smi_after"] = _nvidia_smi()
-        _write(out, meta, run.data)
+        if writes:
+            _write(out, meta, run.data)
     log(f"wrote {out} ({len(run.data['steps'])} step rows, {meta['profile_seconds']} s)")
     return out
 
@@ -124,7 +152,8 @@ def _measure_block_size(run: _Pass, bs: int) -> dict:
     max_tokens = max(sum(s + n for s, n, _ in p.items) for p in run.points)
     max_seqs = max(len(p.items) for p in run.points)
     num_blocks = -(-max_tokens // bs) + max_seqs + 16
-    executor = profiling_executor(run.model, num_blocks, bs, run.dev, run.seed)
+    executor = profiling_executor(run.model, num_blocks, bs, run.dev, run.seed,
+                                  run.model_factory)
     info = {"dtype": executor.dtype,
             "graph_sizes": executor.steps.decode_buckets() if executor.use_graphs else [],
             "mixed_sizes": executor.steps.mixed_buckets() if executor.use_graphs else [],
@@ -136,7 +165,7 @@ def _measure_block_size(run: _Pass, bs: int) -> dict:
     data, parts = run.data, run.parts
     if "steps" in parts:
         data["steps"] += profile_block_size(executor, run.points, run.rng, run.reps, run.log,
-                                            rested="rested" in parts)
+                                            rested="rested" in parts, agree=run.agree)
     if "transfers" in parts:
         s, c = profile_transfers(executor, run.rng, run.reps, 64 * 2**20 if run.quick else GIB,
                                  run.log)
@@ -178,6 +207,9 @@ def _profile_meta(run: _Pass, block_sizes: list, executor_info: dict, command,
                 max_num_seqs=MAX_NUM_SEQS, mixed_token_sizes=list(executor_info["mixed_sizes"]),
                 max_model_len=model.max_position_embeddings,
                 profile_seconds=round(time.perf_counter() - run.started, 1))
+    if run.tensor_parallel is not None:
+        from simkv.gpu.profiler.tensor_parallel import tensor_parallel_meta
+        meta.update(tensor_parallel_meta(run.dev, run.tensor_parallel[1]))
     return meta
 
 
