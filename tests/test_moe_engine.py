@@ -137,7 +137,8 @@ def test_fused_moe_matches_the_expert_by_expert_loop(tokens, config):
 
 def plain_logits(model, token_ids: list) -> torch.Tensor:
     """Logits of the last position of `token_ids`, computed from the model's weights with no
-    cache: RMSNorm, q/k norms, RoPE, causal softmax attention, each token's top-k experts."""
+    cache: RMSNorm, q/k norms, RoPE, causal softmax attention (over the last `window` tokens on
+    a sliding layer), each token's top-k experts."""
     spec, f32 = model.spec, torch.float32
 
     def w(t):                                   # the weights, in float32 on the CPU
@@ -159,7 +160,7 @@ def plain_logits(model, token_ids: list) -> torch.Tensor:
     n = len(token_ids)
     pos = torch.arange(n)
     x = w(model.embed)[torch.tensor(token_ids)]
-    for layer in model.layers:
+    for layer, window in zip(model.layers, model.layer_windows):
         h = rms(x, w(layer.input_norm))
         qkv = h @ w(layer.qkv).T
         q = rms(qkv[:, :H * D].view(n, H, D), w(layer.q_norm))
@@ -170,7 +171,10 @@ def plain_logits(model, token_ids: list) -> torch.Tensor:
         for head in range(H):
             kv = head // (H // KH)
             scores = q[:, head] @ k[:, kv].T / math.sqrt(D)
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            hidden_keys = torch.ones(n, n, dtype=torch.bool).triu(1)
+            if window is not None:
+                hidden_keys |= torch.ones(n, n, dtype=torch.bool).tril(-window)
+            scores = scores.masked_fill(hidden_keys, float("-inf"))
             attn[:, head] = torch.softmax(scores, -1) @ v[:, kv]
         x = x + attn.reshape(n, H * D) @ w(layer.o).T
         h = rms(x, w(layer.post_norm))
@@ -193,6 +197,44 @@ def plain_greedy(model, prompt: list, num_tokens: int) -> list:
     for _ in range(num_tokens):
         tokens.append(int(plain_logits(model, tokens).argmax()))
     return tokens[len(prompt):]
+
+
+def moe_scenario(path, **cache):
+    return simkv.load_scenario({
+        "name": "moe-cpu", "model": str(path), "gpu": "h200", "seed": 0,
+        "cache": {"block_size": 4, "num_gpu_blocks_override": 128, "enable_prefix_caching": False, **cache},
+        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 48},
+        "workload": {"synthetic": {"num_requests": 1, "output_tokens": 1,
+                                   "prompt_tokens": {"dist": "fixed", "value": 8}}}})
+
+
+@needs_kernels
+def test_a_window_hybrid_engine_frees_window_blocks_and_keeps_the_plain_models_tokens(tmp_path):
+    # gpt-oss's layout, tiny: sliding (8-token window) and full layers alternate, MoE feed-forward;
+    # the KV manager keeps a table per group and frees window blocks as they leave the window,
+    # poisoning NaN into every freed block: any read of one would reach the tokens
+    from simkv.engine.kv.groups import HybridKVCacheManager
+    from simkv.gpu.engine import Engine, requests_from_frame, run_offline
+    from simkv.gpu.model import LlamaModel
+    from simkv.gpu.tokens import prompt_token_ids
+    from tests.test_engine_cpu import workload
+
+    path = write_config(tmp_path, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    frame = workload().iloc[[0, 3]].copy()           # 30 and 13 prompt tokens
+    frame["output_tokens"] = 3
+    frame["n"] = 1
+    frame["request_id"] = range(2)
+    scn = moe_scenario(path, enable_prefix_caching=True)
+    assert isinstance(Engine(scn, "cpu", dtype=torch.float32, attention="triton").scheduler.kv,
+                      HybridKVCacheManager)
+    run = run_offline(scn, frame, device=DEVICE, dtype=torch.float32, attention="triton", poison=True)
+    model = LlamaModel(scn.model, DEVICE, torch.float32, seed=0)
+    assert model.layer_windows == [8, None]
+    for req in requests_from_frame(frame):
+        prompt = prompt_token_ids(req, scn.model.vocab_size, seed=0)
+        assert run.tokens[(req.request_id, 0)] == plain_greedy(model, prompt, 3), req.request_id
+    sliding, full = sorted(run.result.summary["kv_groups"], key=lambda g: g["attention_type"] != "sliding")
+    assert sliding["blocks_used_peak"] < full["blocks_used_peak"]
 
 
 @needs_kernels

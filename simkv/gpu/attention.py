@@ -23,13 +23,13 @@ class TritonAttention:
     def write(self, key, value, k_cache, v_cache, slot_mapping):
         self.kernels.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out):
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, window=None):
         self.kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                             seq_lens, out=out)
+                                             seq_lens, out=out, window=window)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None):
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None, window=None):
         self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out,
-                                            workspace=workspace)
+                                            workspace=workspace, window=window)
 
     def copy_blocks(self, k_cache, v_cache, block_mapping):
         self.kernels.copy_blocks(k_cache, v_cache, block_mapping)
@@ -48,12 +48,13 @@ class ReferenceAttention:
     def write(self, key, value, k_cache, v_cache, slot_mapping):
         self.ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out):
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, window=None):
         self.ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                         seq_lens, out=out)
+                                         seq_lens, out=out, window=window)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None):
-        self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out)
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None, window=None):
+        self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out,
+                                        window=window)
 
     def copy_blocks(self, k_cache, v_cache, block_mapping):
         self.ref.copy_blocks(k_cache, v_cache, block_mapping)
@@ -87,3 +88,6 @@ class AttentionMetadata:
     # [0, len(decode_seq_lens)) and the prefill kernel all rows, each by its metadata; rows of
     # seq_len 0 and rows outside query_start_loc's range are padding (computed, never sampled).
     fixed_shape: bool = False
+    # KV cache groups: per group (the KV manager's order) its slot_mapping and block tables
+    # (the other fields unused there); a layer reads its group's. None: one group, these fields.
+    groups: Optional[list] = None

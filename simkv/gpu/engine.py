@@ -136,7 +136,8 @@ class Engine:
                 device=device, dtype=dtype, attention=attention, enforce_eager=enforce_eager,
                 seed=scenario.seed, max_num_seqs=scenario.scheduler.max_num_seqs,
                 max_model_len=self.scheduler.max_model_len,
-                max_num_batched_tokens=scenario.scheduler.max_num_batched_tokens, poison=poison)
+                max_num_batched_tokens=scenario.scheduler.max_num_batched_tokens, poison=poison,
+                kv_groups=self._kv_groups())
         elif executor.num_blocks < kv.num_blocks or executor.block_size != block_size:
             raise ValueError("the executor's cache does not match the scenario's pool")
         if poison is not None:
@@ -149,6 +150,12 @@ class Engine:
         self.gpu_s: list = []       # per step: device span of execute() without input building
         self.exec_s: list = []      # per step: the span of execute() (what the profiler times)
         self.num_seqs: list = []    # per step: sequences scheduled
+
+    def _kv_groups(self):
+        """The sizing's KV cache groups where the KV manager keeps a table per group (a window
+        or linear group beside full ones), else None: one table for every layer."""
+        groups = getattr(self.sizing, "kv_groups", None) or []
+        return groups if any(g["attention_type"] != "full" for g in groups) else None
 
     def run(self, requests: list, realtime: bool = True, progress=None) -> float:
         """Serve `requests` (fresh Request objects, arrival order) until all are final; returns

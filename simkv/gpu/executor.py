@@ -46,13 +46,17 @@ class GpuExecutor:
                  enforce_eager: bool = False, seed: int = 0, *, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  poison: bool | None = None, profile_memory: bool = True,
-                 static_inputs: bool = False, model_factory=None):
+                 static_inputs: bool = False, model_factory=None, kv_groups=None):
         """`device` 'cuda' | 'cpu' (default: cuda when available); `dtype` default bfloat16 on
         CUDA, float64 on CPU; `attention` 'triton' | 'reference' (default: triton on CUDA,
         reference on CPU; triton on CPU needs TRITON_INTERPRET=1). `num_host_blocks` bounds the
         swap space (allocated as needed). `max_model_len` sizes the graphs' block tables.
         `model_factory(spec, device, dtype, seed, attention)` builds the model (default
-        LlamaModel; a tensor-parallel rank's: simkv.gpu.tensor_parallel)."""
+        LlamaModel; a tensor-parallel rank's: simkv.gpu.tensor_parallel). `kv_groups` (the
+        sizing's kv_groups, for a model with sliding-window layers beside full ones): the caches
+        are laid out by group and each group gets its own block tables from the KV manager;
+        such steps run eagerly (no CUDA graphs for groups yet)."""
+        self.kv_groups = kv_groups
         self.model_factory = model_factory or LlamaModel
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         is_cuda = self.device.type == "cuda"
@@ -84,6 +88,8 @@ class GpuExecutor:
         is_cuda = self.device.type == "cuda"
         self.ledger = MemoryLedger(self.device) if is_cuda else None
         self.model = self.model_factory(self.spec, self.device, self.dtype, seed, self.attention)
+        if self.kv_groups:
+            self.model.use_kv_groups(self.kv_groups)
         self.weight_bytes = self.model.weight_bytes
         if self.ledger:
             self.ledger.snapshot("weights")
@@ -100,11 +106,16 @@ class GpuExecutor:
         self.swap_space = None
         self._i64 = Staging(torch.int64, self.device)
         self._i32 = Staging(torch.int32, self.device)
+        # a host buffer per group: an upload's pinned buffer must not be refilled while its
+        # copy may still be in flight
+        self._group_staging = [Staging(torch.int64, self.device) for _ in self.kv_groups or ()]
 
     def _prepare_steps(self, enforce_eager: bool, static_inputs: bool) -> None:
         """Compile the eager steps' kernel variants and build (and on CUDA capture) the
         fixed-shape steps."""
         is_cuda = self.device.type == "cuda"
+        if self.kv_groups:   # the fixed-shape steps hold one group's tables
+            enforce_eager, static_inputs = True, False
         self.use_graphs = is_cuda and not enforce_eager and self.attention == "triton"
         self.static_inputs = self.use_graphs or static_inputs
         if is_cuda and self.attention == "triton":
@@ -122,7 +133,7 @@ class GpuExecutor:
             self.ledger.reset_peak()
 
     def _check_fits(self, num_blocks: int) -> None:
-        bytes_per_block = (2 * self.spec.num_layers * self.block_size * self.model.num_kv_heads
+        bytes_per_block = (2 * self.model.num_cache_slots * self.block_size * self.model.num_kv_heads
                            * self.spec.head_dim * torch.finfo(self.dtype).bits // 8)
         need = num_blocks * bytes_per_block
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -240,7 +251,7 @@ class GpuExecutor:
                 self.num_mixed_graph_steps += 1
             else:
                 ordered = prefill + single
-                tokens, rows = self._run_eager(prefill, single)
+                tokens, rows = self._run_eager(prefill, single, kv)
                 self.num_eager_steps += 1
             for row, token in zip(rows, tokens):
                 item = ordered[row]
@@ -306,7 +317,45 @@ class GpuExecutor:
             space.blocks[:have].copy_(self.swap_space.blocks)
         self.swap_space = space
 
-    def _run_eager(self, prefill: list, single: list):
+    def _group_metadata(self, items: list, num_p: int, kv) -> list:
+        """Per KV cache group, the step's slot mapping and block tables (AttentionMetadata).
+
+        A sequence's `block_table` lists its live blocks group after group (`group_blocks_of`
+        counts them); every group's table has as many entries as a full-attention group's (one
+        per block of the sequence's allocated tokens), a window group's leading ones freed:
+        they hold no token any query of the step attends to, are never read, and are 0 here.
+        Without `kv` (warm-up) every group uses the whole table."""
+        bs, full = self.block_size, [g["attention_type"] == "full" for g in self.kv_groups]
+        slots = [[] for _ in full]
+        tables = [[] for _ in full]
+        for it in items:
+            flat = np.asarray(it.seq.block_table, dtype=np.int64)
+            counts = kv.group_blocks_of(it.seq) if kv is not None else [len(flat)] * len(full)
+            offsets = np.cumsum([0] + list(counts)) if kv is not None else [0] * (len(full) + 1)
+            length = max([n for n, f in zip(counts, full) if f] or [cdiv(it.start + it.num_tokens, bs)])
+            p = np.arange(it.start, it.start + it.num_tokens, dtype=np.int64)
+            for g, n in enumerate(counts):
+                table = np.zeros(length, dtype=np.int64)
+                table[length - n:] = flat[offsets[g]:offsets[g] + n]
+                slots[g].append(table[p // bs] * bs + p % bs)
+                tables[g].append(table[:cdiv(it.start + it.num_tokens, bs)])
+        metas = []
+        for g in range(len(full)):
+            arrays = [np.concatenate(slots[g])]
+            if num_p:
+                arrays.append(pad_tables(tables[g][:num_p]).ravel())
+            if len(items) > num_p:
+                arrays.append(pad_tables(tables[g][num_p:]).ravel())
+            d = self._group_staging[g].upload(arrays)
+            meta = AttentionMetadata(slot_mapping=d[0])
+            if num_p:
+                meta.prefill_block_tables = d[1].view(num_p, -1).to(torch.int32)
+            if len(items) > num_p:
+                meta.decode_block_tables = d[-1].view(len(items) - num_p, -1).to(torch.int32)
+            metas.append(meta)
+        return metas
+
+    def _run_eager(self, prefill: list, single: list, kv=None):
         t0 = time.perf_counter()
         ids, pos, slots, tables, seq_lens, q_lens = host_inputs(prefill + single, self.block_size)
         num_p = len(prefill)
@@ -332,6 +381,8 @@ class GpuExecutor:
         if single:
             meta.decode_block_tables = d32[0].view(len(single), -1)
             meta.decode_seq_lens = d32[1]
+        if self.kv_groups:
+            meta.groups = self._group_metadata(prefill + single, num_p, kv)
         self.last_prep_s = time.perf_counter() - t0
         logits = self.model.forward(d_ids, d_pos, meta, self.caches, d_rows,
                                     check_finite=self.poison)

@@ -17,7 +17,9 @@ sequence may read blocks that another sequence of the same step computes (two id
 admitted together share blocks through the prefix cache).
 
 The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
-(`caches[l, 0]` is layer l's K, `caches[l, 1]` its V: the layout `simkv.gpu.swap` moves).
+(`caches[l, 0]` is layer l's K, `caches[l, 1]` its V: the layout `simkv.gpu.swap` moves). With
+KV cache groups (sliding-window layers beside full ones, `use_kv_groups`) layer j of each group
+shares slot j, and each group has its own block tables; sliding layers attend to their window.
 
 With the Triton backend the elementwise work (residual add + RMSNorm, RoPE, SiLU-and-mul) runs in
 small fused Triton kernels, so a decode step is ~10 launches per layer; with the reference
@@ -182,9 +184,36 @@ class LlamaModel:
         self.hidden_size = spec.hidden_size
         self.eps = float(spec.rms_norm_eps)
         self.router_cfg = router_config(spec) if spec.is_moe else None
+        self._attention_layout(spec)
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         self.inv_freq = rope_inv_freq(spec).to(device=self.device, dtype=compute)
         self._init_weights(seed)
+
+    def _attention_layout(self, spec) -> None:
+        """Each layer's sliding window (None: full attention) and its place in the caches: by
+        default one cache slot per layer; `use_kv_groups` lets layers of different KV cache
+        groups share slots, as vLLM's hybrid allocator does (a block serves one group at a time)."""
+        if spec.architecture.startswith("Gemma3"):
+            raise ValueError(f"{spec.name}: the sample model does not compute Gemma 3's layers "
+                             "(GeGLU, its four norms per layer, embedding scale)")
+        types = tuple(getattr(spec, "attention_types", ()) or ("full_attention",) * spec.num_layers)
+        if "linear_attention" in types:
+            raise ValueError(f"{spec.name}: linear-attention layers are not in the sample model")
+        self.layer_windows = [spec.sliding_window if t == "sliding_attention" else None for t in types]
+        self.layer_group = [0] * spec.num_layers
+        self.layer_slot = list(range(spec.num_layers))
+        self.num_cache_slots = spec.num_layers
+
+    def use_kv_groups(self, groups) -> None:
+        """Lay the caches out by KV cache groups (`simkv.sizing` kv_groups entries, in the KV
+        manager's order): layer j of group g uses slot j of the caches and group g's block
+        tables (`AttentionMetadata.groups[g]`); caches allocated after this call have
+        max(len(layers)) slots."""
+        for g, group in enumerate(groups):
+            for j, layer in enumerate(group["layers"]):
+                self.layer_group[layer] = g
+                self.layer_slot[layer] = j
+        self.num_cache_slots = max(len(group["layers"]) for group in groups)
 
     # -- weights ------------------------------------------------------------------------------
     def _randn(self, seed: int, name: str, shape, std: float) -> torch.Tensor:
@@ -244,8 +273,9 @@ class LlamaModel:
 
     # -- caches -------------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """Zeroed caches [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
-        return torch.zeros((self.spec.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
+        """Zeroed caches [num_cache_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        (a slot per layer unless `use_kv_groups` shares them)."""
+        return torch.zeros((self.num_cache_slots, 2, num_blocks, block_size, self.num_kv_heads,
                             self.head_dim), device=self.device, dtype=self.dtype)
 
     # -- elementwise pieces -------------------------------------------------------------------
@@ -327,22 +357,24 @@ class LlamaModel:
             q.copy_(self._rms_norm_torch(q, layer.q_norm))
             k.copy_(self._rms_norm_torch(k, layer.k_norm))
         self._rope(qkv[:, :(H + KH) * D].view(T, H + KH, D), positions)
-        k_cache, v_cache = caches[i, 0], caches[i, 1]
-        self.attn.write(k, v, k_cache, v_cache, meta.slot_mapping)
+        slot, window = self.layer_slot[i], self.layer_windows[i]
+        k_cache, v_cache = caches[slot, 0], caches[slot, 1]
+        tables = meta.groups[self.layer_group[i]] if meta.groups else meta   # this layer's group
+        self.attn.write(k, v, k_cache, v_cache, tables.slot_mapping)
         out = torch.empty((T, H, D), device=h.device, dtype=h.dtype)
         P = meta.num_prefill_tokens
         if meta.fixed_shape:
             rows = meta.decode_seq_lens.shape[0]
-            self.attn.decode(q[:rows], k_cache, v_cache, meta.decode_block_tables,
-                             meta.decode_seq_lens, out[:rows], meta.decode_workspace)
-            self.attn.prefill(q, k_cache, v_cache, meta.prefill_block_tables,
-                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out)
+            self.attn.decode(q[:rows], k_cache, v_cache, tables.decode_block_tables,
+                             meta.decode_seq_lens, out[:rows], meta.decode_workspace, window=window)
+            self.attn.prefill(q, k_cache, v_cache, tables.prefill_block_tables,
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out, window=window)
         elif P:
-            self.attn.prefill(q[:P], k_cache, v_cache, meta.prefill_block_tables,
-                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out[:P])
+            self.attn.prefill(q[:P], k_cache, v_cache, tables.prefill_block_tables,
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out[:P], window=window)
         if T > P and not meta.fixed_shape:
-            self.attn.decode(q[P:], k_cache, v_cache, meta.decode_block_tables,
-                             meta.decode_seq_lens, out[P:], meta.decode_workspace)
+            self.attn.decode(q[P:], k_cache, v_cache, tables.decode_block_tables,
+                             meta.decode_seq_lens, out[P:], meta.decode_workspace, window=window)
         return self._reduce(F.linear(out.view(T, H * D), layer.o))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

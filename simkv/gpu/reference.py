@@ -16,23 +16,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first `context_len` tokens of one sequence's K or V: [context_len, num_kv_heads, head_dim]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                   first_block: int = 0) -> torch.Tensor:
+    """Tokens first_block × block_size .. context_len - 1 of one sequence's K or V:
+    [tokens, num_kv_heads, head_dim] (the blocks before `first_block` are not read)."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, heads, dim]
-    return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+    blocks = cache[block_table[first_block:num_blocks].long()]  # [blocks, block_size, heads, dim]
+    return blocks.reshape(-1, *cache.shape[2:])[:context_len - first_block * block_size]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
-            window: int | None = None) -> torch.Tensor:
-    """q [n, heads, dim] at `positions` over k, v [context, kv_heads, dim]; causal by position,
-    and with a sliding `window` a query at p sees keys p - window + 1 .. p only."""
+            window: int | None = None, first_key: int = 0) -> torch.Tensor:
+    """q [n, heads, dim] at `positions` over k, v [keys, kv_heads, dim] of positions first_key
+    on; causal by position, and with a sliding `window` a query at p sees keys p - window + 1 ..
+    p only."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    keys = torch.arange(k.shape[0], device=q.device)
+    keys = first_key + torch.arange(k.shape[0], device=q.device)
     visible = keys[None, :] <= positions[:, None]  # [n, context]
     if window is not None:
         visible &= keys[None, :] > positions[:, None] - window
@@ -52,10 +55,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         context = int(seq_lens[s])
         if context == 0:
             continue
-        k = gather_context(k_cache, block_tables[s], context).to(dtype)
-        v = gather_context(v_cache, block_tables[s], context).to(dtype)
+        # blocks wholly before the window are not read (a KV manager may have freed them)
+        first = 0 if window is None else max(0, context - window) // k_cache.shape[1]
+        k = gather_context(k_cache, block_tables[s], context, first).to(dtype)
+        v = gather_context(v_cache, block_tables[s], context, first).to(dtype)
         position = torch.tensor([context - 1], device=q.device)
-        out[s] = _attend(q[s : s + 1].to(dtype), k, v, position, scale, window)[0].to(q.dtype)
+        out[s] = _attend(q[s : s + 1].to(dtype), k, v, position, scale, window,
+                         first * k_cache.shape[1])[0].to(q.dtype)
     return out
 
 
@@ -72,10 +78,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         if end == start:
             continue
         context = int(seq_lens[s])
-        k = gather_context(k_cache, block_tables[s], context).to(dtype)
-        v = gather_context(v_cache, block_tables[s], context).to(dtype)
-        positions = torch.arange(context - (end - start), context, device=q.device)
-        out[start:end] = _attend(q[start:end].to(dtype), k, v, positions, scale, window).to(q.dtype)
+        first_pos = context - (end - start)
+        first = 0 if window is None else max(0, first_pos - window + 1) // k_cache.shape[1]
+        k = gather_context(k_cache, block_tables[s], context, first).to(dtype)
+        v = gather_context(v_cache, block_tables[s], context, first).to(dtype)
+        positions = torch.arange(first_pos, context, device=q.device)
+        out[start:end] = _attend(q[start:end].to(dtype), k, v, positions, scale, window,
+                                 first * k_cache.shape[1]).to(q.dtype)
     return out
 
 
