@@ -39,7 +39,9 @@ def cluster(replicas=1, policy="round_robin", **router):
 
 
 def plain_keys(summary):
-    return {k: v for k, v in summary.items() if k not in FLEET_ONLY and k != "wall_time_s"}
+    # provenance: the fleet's settings hold its cluster (tests/test_provenance.py)
+    return {k: v for k, v in summary.items()
+            if k not in FLEET_ONLY and k not in ("wall_time_s", "provenance")}
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "kv_aware"])
@@ -74,7 +76,8 @@ def test_round_robin_replicas_are_separate_runs_of_their_requests(policy):
         separate.append(run)
         row = {k: v for k, v in fleet.summary["replicas"][i].items()
                if k not in ("name", "pool", "role", "gpu")}
-        assert row == {k: v for k, v in run.summary.items() if k != "wall_time_s"}
+        assert row == {k: v for k, v in run.summary.items()
+                       if k not in ("wall_time_s", "provenance")}
         mine = fleet.requests[fleet.requests["replica"] == f"main-{i}"]
         assert csv_text(mine.drop(columns=["replica"]).reset_index(drop=True)) == \
             csv_text(run.requests)

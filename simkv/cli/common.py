@@ -135,6 +135,8 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
     for stat in ("mean", "p50", "p90", "p99"):
         latencies.add_column(stat, justify="right")
     for key, value in summary.items():
+        if key == "provenance":      # its caveats are printed after the tables (print_caveats)
+            continue
         if isinstance(value, dict):
             latencies.add_row(key, *(fmt(value.get(s)) for s in ("mean", "p50", "p90", "p99")))
         else:

@@ -158,7 +158,9 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="Override a scenario key: KEY=VALUE (repeatable)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Replace the workload with this trace file."),
     trace_format: Optional[str] = typer.Option(None, "--trace-format", help="auto|azure|mooncake|burstgpt|csv"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default results/<scenario name>)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Results folder (default results/<scenario name>-<hash of the "
+                            "settings>, so that runs of different settings never share one)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     step_terms: bool = typer.Option(False, "--step-terms",
                                     help="Add a term_<name> column per cost term to steps.csv (seconds)."),
@@ -171,7 +173,7 @@ def run(
     scn = load_scenario(scenario, _run_overrides(set_, trace, trace_format))
     simulate = require("simkv.sim.engine", "simulate", "run")
     result = simulate(scn, progress=not as_json, step_terms=step_terms, exact=exact)
-    out_dir = out if out is not None else Path("results") / scn.name
+    out_dir = out if out is not None else default_out_dir(scn.name, result.summary)
     result.write(out_dir)
     if as_json:
         print_json(result.summary)
@@ -183,7 +185,20 @@ def run(
                             f"{scn.cluster.num_replicas} replicas ({scn.model.name})")
     else:
         print_summary(result.summary, title=title)
+    print_caveats(result.summary)
     console().print(f"results written to {out_dir}/")
+
+
+def default_out_dir(name: str, summary: dict) -> Path:
+    """results/<name>-<8 hex digits of the settings and the trace's hash>."""
+    from simkv.sim.provenance import settings_key
+    return Path("results") / f"{name}-{settings_key(summary['provenance'])}"
+
+
+def print_caveats(summary: dict) -> None:
+    """The provenance's caveats, one line each, after the summary."""
+    for caveat in (summary.get("provenance") or {}).get("caveats", []):
+        console().print(f"[yellow]caveat:[/yellow] {caveat}", highlight=False)
 
 
 def explain(

@@ -74,11 +74,14 @@ def atomic_write_csv(path: Path, df) -> None:
     atomic_write_text(path, csv_text(df))
 
 
-def write_results(out_dir, summary: dict, requests, steps) -> Path:
-    """summary.json, requests.csv and steps.csv under `out_dir`; returns the folder."""
+def write_results(out_dir, summary: dict, requests, steps, run: dict | None = None) -> Path:
+    """summary.json, requests.csv and steps.csv under `out_dir` (and run.json, the record of
+    when and how the run was made, when `run` is given); returns the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_csv(out / "requests.csv", requests)
     atomic_write_csv(out / "steps.csv", steps)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    if run is not None:
+        atomic_write_text(out / "run.json", json.dumps(run, indent=2) + "\n")
     return out

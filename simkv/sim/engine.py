@@ -20,6 +20,7 @@ from simkv.engine.loop import HORIZON, IDLE, NOW, serve
 from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.engine.results import write_results
 from simkv.sim.executor import CostModelExecutor
+from simkv.sim.provenance import provenance
 from simkv.workload.frames import load_requests_frame, requests_from_frame
 
 
@@ -32,8 +33,11 @@ class SimResult:
     extra: dict = field(default_factory=dict)
 
     def write(self, out_dir) -> Path:
-        """Write summary.json, requests.csv and steps.csv (atomically) under `out_dir`."""
-        return write_results(out_dir, self.summary, self.requests, self.steps)
+        """Write summary.json, requests.csv and steps.csv (atomically) under `out_dir`, and
+        run.json beside them (when, where, the command line: simkv.sim.provenance)."""
+        from simkv.sim.provenance import run_record
+        return write_results(out_dir, self.summary, self.requests, self.steps,
+                             run=run_record(self.summary.get("wall_time_s")))
 
 
 class Simulation:
@@ -140,7 +144,8 @@ class Simulation:
                                       if r.reason}}
         if getattr(self.cost_model, "is_estimate", False):
             summary["cost_model_note"] = getattr(self.cost_model, "note", "estimate from specs")
-        return SimResult(summary, req_df.drop(columns=["queue_s"]), steps_df, self.scenario, extra)
+        summary["provenance"] = provenance(self.scenario, self.cost_model)
+        return SimResult(summary, req_df, steps_df, self.scenario, extra)
 
 
 class _NoProgress:

@@ -50,6 +50,9 @@ def sweep_command(scenario_path: str | Path, grid: list[str], sets: list[str],
                       progress=True, on_error=on_error)
     plots = plot_sweep(frame, list(parsed_grid), out_dir / "plots")
     _print_sweep(frame, list(parsed_grid))
+    mixed = mixed_cost_model_kinds(frame)
+    if mixed:
+        print(f"caveat: {mixed}")
     print(f"{len(frame)} point(s) in {out_dir / 'sweep.csv'}; plots in {out_dir / 'plots'} "
           f"({len(plots)} files)")
     if failed:
@@ -57,6 +60,21 @@ def sweep_command(scenario_path: str | Path, grid: list[str], sets: list[str],
               file=sys.stderr)
         return 1
     return 0
+
+
+def mixed_cost_model_kinds(frame) -> str | None:
+    """A sentence when the points are timed by different kinds of cost model (a profile for
+    one GPU, the roofline for another): their differences then mix hardware with the models'
+    errors. None when every point has one kind."""
+    if "cost_model" not in frame.columns:
+        return None
+    names = sorted(set(frame["cost_model"].dropna().astype(str)))
+    kinds = {("profile" if n.startswith("profile:") else "roofline") for n in names}
+    if len(kinds) < 2:
+        return None
+    return ("the points are timed by different kinds of cost model (" + ", ".join(names)
+            + "): their differences mix the GPUs with the models' errors; for one kind, add "
+            "--set cost_model=roofline")
 
 
 def _print_sweep(frame, grid_keys: list[str]) -> None:

@@ -109,9 +109,12 @@ def run_point(raw: dict, base_dir: str, source: str, point: dict[str, Any]) -> d
 
 
 def flatten_summary(summary: dict) -> dict[str, Any]:
-    """Scalars as they are, families ({mean,p50,p90,p99}) as `ttft_s.p90` etc."""
+    """Scalars as they are, families ({mean,p50,p90,p99}) as `ttft_s.p90` etc.; the
+    provenance stays in the point's JSON (it is not a figure)."""
     flat: dict[str, Any] = {}
     for key, value in summary.items():
+        if key == "provenance":
+            continue
         if isinstance(value, dict):
             flat.update({f"{key}.{stat}": v for stat, v in value.items()})
         else:

@@ -351,7 +351,9 @@ class Fleet:
         extra = {"dropped": dict(self.frame.attrs.get("dropped", {})),
                  "warnings": list(self.frame.attrs.get("warnings", [])),
                  "replicas": [r.name for r in self.replicas]}
-        return SimResult(summary, req_all.drop(columns=["queue_s"]), steps_all, scn, extra)
+        from simkv.sim.provenance import provenance
+        summary["provenance"] = provenance(scn, [r.cost_model for r in self.replicas])
+        return SimResult(summary, req_all, steps_all, scn, extra)
 
 
 def simulate_fleet(scenario, *, trace_df=None, check_integrity: bool = False, cost_model=None,
