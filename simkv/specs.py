@@ -49,6 +49,14 @@ WEIGHTS_DTYPES = ("bf16", "fp8", "int4", "mxfp4")
 
 # Bytes per element of a KV cache entry.
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
+# vLLM's --kv-cache-dtype names for the same caches: auto is the model's dtype (bf16 for the
+# bundled models), fp8's two formats move the same bytes
+KV_DTYPE_ALIASES = {"auto": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+def kv_dtype_name(name: str) -> str:
+    """simkv's name (bf16, fp8) for a KV cache dtype given by it or by vLLM's name."""
+    return KV_DTYPE_ALIASES.get(name, name)
 
 
 def profiles_dir() -> Path:

@@ -14,7 +14,7 @@ def size(
     model: str = typer.Option(..., "--model", "-m", help="Bundled model name or path to an HF config.json."),
     gpu: str = typer.Option("h200", "--gpu", "-g", help="Bundled GPU name."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block (power of two)."),
-    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="KV cache dtype: bf16 or fp8."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="KV cache dtype: bf16 or fp8 (vLLM's auto, bfloat16, fp8_e4m3, fp8_e5m2 too)."),
     weights_dtype: Optional[str] = typer.Option(
         None, "--weights-dtype",
         help="Serve the weights as bf16, fp8, int4 (group 128) or mxfp4 (experts); default: "
@@ -42,12 +42,15 @@ def size(
     from simkv import semantics as rules
     from simkv.config.scenario import CacheConfig, SchedulerConfig
     from simkv.sizing import fit_error, size_pool
-    from simkv.specs import KV_DTYPE_BYTES, load_gpu, load_model
+    from simkv.specs import (KV_DTYPE_ALIASES, KV_DTYPE_BYTES, kv_dtype_name, load_gpu,
+                             load_model)
 
     if block_size <= 0 or block_size & (block_size - 1):
         raise InputError(f"--block-size: {block_size} is not a positive power of two (8, 16, 32, ...)")
+    kv_dtype = kv_dtype_name(kv_dtype)          # vLLM's names too (fp8_e4m3, auto)
     if kv_dtype not in KV_DTYPE_BYTES:
-        raise InputError(f"--kv-dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)}")
+        raise InputError(f"--kv-dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)} "
+                         f"(or vLLM's {', '.join(KV_DTYPE_ALIASES)})")
     if not 0 < gpu_memory_utilization <= 1:
         raise InputError(f"--gpu-memory-utilization: {gpu_memory_utilization} is not in (0, 1]")
     if memory_budget_gib is not None and memory_budget_gib <= 0:
@@ -166,15 +169,25 @@ def run(
                                     help="Add a term_<name> column per cost term to steps.csv (seconds)."),
     exact: bool = typer.Option(False, "--exact",
                                help="Plan and time every step one by one (the same results, slower)."),
+    export: list[str] = typer.Option(
+        [], "--export", help="Also write the metrics in another tool's format: vllm "
+                             "(vllm_bench.json, `vllm bench serve`'s names and units)."),
 ) -> None:
     """Simulate one scenario: print a summary, write summary.json, requests.csv, steps.csv."""
     from simkv.config.scenario import load_scenario
 
+    for kind in export:
+        if kind not in EXPORTS:
+            raise InputError(f"--export: {kind!r} is not one of {', '.join(EXPORTS)}")
     scn = load_scenario(scenario, _run_overrides(set_, trace, trace_format))
     simulate = require("simkv.sim.engine", "simulate", "run")
     result = simulate(scn, progress=not as_json, step_terms=step_terms, exact=exact)
     out_dir = out if out is not None else default_out_dir(scn.name, result.summary)
     result.write(out_dir)
+    if "vllm" in export:
+        import json
+        from simkv.engine.results import atomic_write_text
+        atomic_write_text(out_dir / EXPORTS["vllm"], json.dumps(result.vllm_bench(), indent=2) + "\n")
     if as_json:
         print_json(result.summary)
         return
@@ -199,6 +212,9 @@ def print_caveats(summary: dict) -> None:
     """The provenance's caveats, one line each, after the summary."""
     for caveat in (summary.get("provenance") or {}).get("caveats", []):
         console().print(f"[yellow]caveat:[/yellow] {caveat}", highlight=False)
+
+
+EXPORTS = {"vllm": "vllm_bench.json"}
 
 
 def explain(

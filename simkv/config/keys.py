@@ -120,7 +120,12 @@ def cluster_key_type(key: str) -> tuple[type, bool] | None:
 
 
 def suggest(key: str) -> str:
-    """' (did you mean X?)' for the valid key closest to `key`, or ''."""
+    """' (did you mean X?)' for the valid key closest to `key`, or ''. A right name in the
+    wrong section (scheduler.preemption_mode) names the section that has it."""
+    leaf = key.rsplit(".", 1)[-1]
+    moved = [k for k in VALID_KEYS if k.rsplit(".", 1)[-1] == leaf and k != key]
+    if len(moved) == 1:
+        return f" (did you mean {moved[0]}?)"
     close = difflib.get_close_matches(key, VALID_KEYS, n=1, cutoff=0.6)
     if not close:  # a right name in the wrong section, e.g. cache.max_num_seqs
         leaf = key.rsplit(".", 1)[-1]

@@ -8,6 +8,7 @@ from typing import Any
 from simkv.config.keys import KEY_TYPES, SECTIONS, check_key, type_name
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
 from simkv.errors import InputError
+from simkv.specs import KV_DTYPE_ALIASES, kv_dtype_name
 
 CHOICES = {
     "cache.kv_dtype": ("bf16", "fp8"),
@@ -93,7 +94,8 @@ class Validator:
 
     def choice(self, key: str, value: str) -> None:
         if value not in CHOICES[key]:
-            self.fail(key, f"{value!r} is not one of {', '.join(CHOICES[key])}")
+            also = f" (or vLLM's {', '.join(KV_DTYPE_ALIASES)})" if key == "cache.kv_dtype" else ""
+            self.fail(key, f"{value!r} is not one of {', '.join(CHOICES[key])}{also}")
 
 
 def resolve_path(text: str, base_dir: Path) -> str:
@@ -130,6 +132,7 @@ def check_ranges(v: Validator, cache: CacheConfig, scheduler: SchedulerConfig,
     v.positive("workload.time_scale", workload.time_scale)
     v.positive("workload.limit", workload.limit)
     v.positive("seed", seed, allow_zero=True)
+    cache.kv_dtype = kv_dtype_name(cache.kv_dtype)      # vLLM's names too (fp8_e4m3, auto)
     sections = {"cache": cache, "scheduler": scheduler, "workload": workload}
     for key in CHOICES:
         section, name = key.split(".")

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import simpy
 
@@ -38,6 +39,13 @@ class SimResult:
         from simkv.sim.provenance import run_record
         return write_results(out_dir, self.summary, self.requests, self.steps,
                              run=run_record(self.summary.get("wall_time_s")))
+
+    def vllm_bench(self) -> dict:
+        """The run's metrics under `vllm bench serve`'s names and units (simkv.engine.vllm_bench)."""
+        from simkv.engine.vllm_bench import vllm_bench_result
+        model = self.scenario.model.name if self.scenario is not None else None
+        return vllm_bench_result(self.summary, self.requests, self.extra.get("itl_s", []),
+                                 model_id=model)
 
 
 class Simulation:
@@ -140,6 +148,8 @@ class Simulation:
         extra = {"sizing": self.sizing.to_dict() if hasattr(self.sizing, "to_dict") else {},
                  "dropped": dict(self.frame.attrs.get("dropped", {})),
                  "warnings": list(self.frame.attrs.get("warnings", [])),
+                 "itl_s": np.frombuffer(self.scheduler.itl_s, dtype=np.float64)
+                 if len(self.scheduler.itl_s) else np.zeros(0),
                  "rejected_reasons": {r.request_id: r.reason for r in self.scheduler.done
                                       if r.reason}}
         if getattr(self.cost_model, "is_estimate", False):

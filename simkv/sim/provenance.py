@@ -47,8 +47,19 @@ def provenance(scenario, cost_models) -> dict:
         "trace_sha256": file_sha256(trace) if trace is not None else None,
         "seed": scenario.seed,
         "cost_model": records[0] if len(records) == 1 else records,
-        "caveats": caveats(models),
+        "caveats": _unique(caveats(models) + scenario_caveats(scenario)),
     }
+
+
+SWAP_CAVEAT = ("cache.preemption_mode swap: vLLM's v1 engine only recomputes (it frees a "
+               "preempted request's blocks and prefills it again); swapping to host memory is "
+               "a what-if of the older v0 engine")
+
+
+def scenario_caveats(scenario) -> list[str]:
+    """Settings a vLLM user should know simkv answers as a what-if."""
+    pools = [p.scenario for p in scenario.cluster.pools] if scenario.cluster else [scenario]
+    return [SWAP_CAVEAT] if any(p.cache.preemption_mode == "swap" for p in pools) else []
 
 
 def cost_model_record(model) -> dict:

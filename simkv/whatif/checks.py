@@ -75,8 +75,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_SLO_SPELLING = re.compile(r"^(?P<family>[a-z0-9]+)_(?P<stat>p\d+|mean)_s$")
+
+
+def summary_key(key: str) -> str:
+    """The summary's spelling of a latency figure: `ttft_s.p90`. The SLO spelling of the same
+    figure (`ttft_p90_s`, as in a scenario's `slo:`) is taken for it, so either may be used."""
+    match = _SLO_SPELLING.match(str(key))
+    return f"{match['family']}_s.{match['stat']}" if match else str(key)
+
+
 def parse_expectation(key: str, text: Any, where: str) -> Expectation:
-    """`"<= 0.5"` -> Expectation(key, "<=", 0.5); a bare value means `==`."""
+    """`"<= 0.5"` -> Expectation(key, "<=", 0.5); a bare value means `==`; `key` in either
+    spelling (`ttft_s.p90` or `ttft_p90_s`: summary_key)."""
+    key = summary_key(key)
     if not isinstance(text, str):
         op, bound = "==", text
     else:

@@ -37,6 +37,7 @@ import heapq
 import math
 import time
 
+import numpy as np
 import pandas as pd
 import simpy
 
@@ -350,7 +351,10 @@ class Fleet:
         summary["wall_time_s"] = time.perf_counter() - wall_start
         extra = {"dropped": dict(self.frame.attrs.get("dropped", {})),
                  "warnings": list(self.frame.attrs.get("warnings", [])),
-                 "replicas": [r.name for r in self.replicas]}
+                 "replicas": [r.name for r in self.replicas],
+                 "itl_s": np.concatenate([np.frombuffer(r.scheduler.itl_s, dtype=np.float64)
+                                          for r in self.replicas if len(r.scheduler.itl_s)]
+                                         or [np.zeros(0)])}
         from simkv.sim.provenance import provenance
         summary["provenance"] = provenance(scn, [r.cost_model for r in self.replicas])
         return SimResult(summary, req_all, steps_all, scn, extra)
