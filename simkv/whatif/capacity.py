@@ -36,6 +36,10 @@ P90_SLOS = ("itl_s", "queue_s")   # plain keys without a per-request column: bou
 ABOVE_FACTOR = 1.1             # the SLOs must fail this much above the returned rate
 MAX_DOUBLINGS = 14
 MAX_HALVINGS = 10
+# The rate to plan with over K workloads (replicates): the one 90% of them sustain. The mean's
+# confidence interval says where the average workload's capacity lies, not what a given day's
+# traffic will bear; planning needs a low quantile of the workloads themselves.
+PLANNING_QUANTILE = 0.1
 # two-sided 95% Student t quantiles for 1..30 degrees of freedom (no scipy dependency)
 T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
@@ -112,9 +116,32 @@ class CapacityResult:
     probes: list                  # every probe, in the order run: (rate_rps, met)
     ci: Optional[dict] = None
 
+    @property
+    def planning_rate_rps(self) -> float:
+        """The rate to plan with: with replicates, the PLANNING_QUANTILE of the workloads'
+        rates (planning_rate); with one workload, its own rate (no spread known)."""
+        if self.ci is None:
+            return self.max_rate_rps
+        return planning_rate(self.ci["replicates"])
+
+    def planning(self) -> dict:
+        """{rate_rps, quantile, workloads, basis}: which rate to plan with and why."""
+        workloads = len(self.ci["replicates"]) if self.ci is not None else 1
+        if self.ci is None:
+            basis = ("one workload: its own rate (run with --replicates K to see how much "
+                     "another window of the same traffic moves it)")
+        else:
+            basis = (f"the {PLANNING_QUANTILE:.0%} quantile of the {workloads} workloads' "
+                     "rates: 90% of them meet the SLOs at it")
+        return {"rate_rps": self.planning_rate_rps,
+                "quantile": PLANNING_QUANTILE if self.ci is not None else None,
+                "workloads": workloads, "basis": basis}
+
     def to_json(self) -> dict:
         out = {
             "max_rate_rps": self.max_rate_rps,
+            "planning_rate_rps": self.planning_rate_rps,
+            "planning": self.planning(),
             "rate_scale": self.rate_scale,
             "slo": dict(self.slo),
             "slo_attainment": self.attainment,
@@ -139,7 +166,7 @@ class CapacitySearch:
     """Probes one scenario's request frame at different rates (scaled arrivals)."""
 
     def __init__(self, scenario, frame: pd.DataFrame, attainment: float = SLO_ATTAINMENT,
-                 overrides: Optional[dict] = None):
+                 overrides: Optional[dict] = None, on_probe=None):
         """`frame`: the requests at workload.time_scale 1 (arrivals from 0 s); `overrides`:
         dotted keys that made `frame` (a replicate's seed), applied to every probe."""
         self.scenario = scenario
@@ -153,6 +180,7 @@ class CapacitySearch:
         self.base_rate_rps = len(frame) / span_s
         self.probes: dict[float, Probe] = {}
         self.order: list = []
+        self.on_probe = on_probe      # called with each new Probe (progress)
 
     def scale_for(self, rate_rps: float) -> float:
         return self.base_rate_rps / rate_rps
@@ -173,6 +201,8 @@ class CapacitySearch:
         probe = Probe(rate_rps, scale, verdict, result.summary)
         self.probes[rate_rps] = probe
         self.order.append((rate_rps, verdict.met))
+        if self.on_probe is not None:
+            self.on_probe(probe)
         return probe
 
     def search(self, start_rate_rps: float, tolerance: float) -> tuple[Probe, Probe]:
@@ -248,15 +278,22 @@ def block_bootstrap(frame: pd.DataFrame, rng: np.random.Generator) -> pd.DataFra
 
 
 def _search_replicate(scenario, replicate: int, start_scale: float, tolerance: float,
-                      attainment: float) -> tuple[Probe, Probe, list]:
+                      attainment: float, on_probe=None) -> tuple[Probe, Probe, list]:
     overrides, frame = replicate_frame(scenario, replicate)
-    search = CapacitySearch(scenario, frame, attainment, overrides)
+    search = CapacitySearch(scenario, frame, attainment, overrides, on_probe)
     low, above = search.search(search.base_rate_rps / start_scale, tolerance)
     return low, above, search.order
 
 
+def planning_rate(rates: list[float], quantile: float = PLANNING_QUANTILE) -> float:
+    """The rate to plan with across workloads: the `quantile` of their rates (linear between
+    order statistics), so that 1 − quantile of them meet the SLOs at it."""
+    return float(np.quantile(np.asarray(rates, dtype=float), quantile))
+
+
 def confidence_interval(rates: list[float]) -> dict:
-    """95% Student t interval for the mean of `rates`."""
+    """95% Student t interval for the mean of `rates`, and their spread (`min`, `max`: the
+    interval every workload's own rate lies in, the scenario's among them)."""
     values = np.asarray(rates, dtype=float)
     k = len(values)
     mean = float(values.mean())
@@ -264,17 +301,21 @@ def confidence_interval(rates: list[float]) -> dict:
     t = T_975[k - 2] if 2 <= k <= 31 else 1.96
     half = t * std / math.sqrt(k)
     return {"level": 0.95, "low": mean - half, "high": mean + half, "mean": mean, "std": std,
+            "min": float(values.min()), "max": float(values.max()),
             "replicates": [float(r) for r in rates]}
 
 
 def find_capacity(scenario, *, tolerance: float = 0.02, replicates: int = 1,
-                  attainment: float = SLO_ATTAINMENT, workers: Optional[int] = None
-                  ) -> CapacityResult:
+                  attainment: float = SLO_ATTAINMENT, workers: Optional[int] = None,
+                  on_progress=None) -> CapacityResult:
     """The highest arrival rate (requests/s) at which `scenario` meets its SLOs.
 
     `tolerance`: relative width of the final bracket. With `replicates` K > 1, K searches (the
-    scenario, then K − 1 reseeded or bootstrapped workloads) run in parallel and `ci` gives a
-    95% t interval of their rates; `max_rate_rps` is always the scenario's own.
+    scenario, then K − 1 reseeded, resampled or shifted workloads: replicate_frame) run in
+    parallel; `ci` gives their rates, their spread (min, max) and a 95% t interval of their
+    mean; `max_rate_rps` is always the scenario's own and `planning_rate_rps` the rate to plan
+    with (the PLANNING_QUANTILE of the workloads' rates). `on_progress(text)` is called after
+    each simulation (one workload) or each finished workload (replicates).
     """
     if not scenario.slo:
         raise InputError(f"{scenario.path or scenario.name}: the scenario sets no SLOs; add an "
@@ -286,9 +327,15 @@ def find_capacity(scenario, *, tolerance: float = 0.02, replicates: int = 1,
         raise InputError(f"--replicates: must be >= 1, got {replicates}")
     args = (scenario.workload.time_scale, tolerance, attainment)
     if replicates == 1:
-        outcomes = [_search_replicate(scenario, 0, *args)]
+        def on_probe(probe):
+            if on_progress is not None:
+                on_progress(f"simulation {len(search_order)}: {probe.rate_rps:.4g} requests/s "
+                            f"{'meets' if probe.verdict.met else 'fails'} the SLOs")
+        search_order = []
+        outcomes = [_search_replicate(scenario, 0, *args,
+                                      on_probe=lambda p: (search_order.append(p), on_probe(p)))]
     else:
-        outcomes = _parallel(scenario, replicates, args, workers)
+        outcomes = _parallel(scenario, replicates, args, workers, on_progress)
     low, above, order = outcomes[0]
     ci = confidence_interval([o[0].rate_rps for o in outcomes]) if replicates > 1 else None
     return CapacityResult(max_rate_rps=low.rate_rps, rate_scale=low.rate_scale,
@@ -296,12 +343,18 @@ def find_capacity(scenario, *, tolerance: float = 0.02, replicates: int = 1,
                           summary=low.summary, at_rate=low, above=above, probes=order, ci=ci)
 
 
-def _parallel(scenario, replicates: int, args: tuple, workers: Optional[int]) -> list:
+def _parallel(scenario, replicates: int, args: tuple, workers: Optional[int],
+              on_progress=None) -> list:
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     workers = min(workers or os.cpu_count() or 1, replicates)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
         futures = [pool.submit(_search_replicate, scenario, k, *args) for k in range(replicates)]
+        for done, future in enumerate(as_completed(futures), 1):
+            if on_progress is not None:
+                low = future.result()[0]
+                on_progress(f"workload {done} of {replicates} done: {low.rate_rps:.4g} "
+                            "requests/s")
         return [f.result() for f in futures]

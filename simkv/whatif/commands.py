@@ -106,7 +106,9 @@ def capacity_command(scenario_path: str | Path, sets: list[str], replicates: int
     from simkv.whatif.capacity import find_capacity
 
     scenario = load_scenario(scenario_path, parse_set(sets))
-    result = find_capacity(scenario, tolerance=tolerance, replicates=replicates)
+    with _progress(f"capacity of {scenario.name}") as on_progress:
+        result = find_capacity(scenario, tolerance=tolerance, replicates=replicates,
+                               on_progress=on_progress)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return 0
@@ -125,13 +127,38 @@ def capacity_command(scenario_path: str | Path, sets: list[str], replicates: int
           f"utilisation {_fmt(s['kv_utilization_mean'])}, preemptions {s['preemptions']}")
     if result.ci is not None:
         ci = result.ci
-        print(f"  over {len(ci['replicates'])} replicates (this scenario's seed first): "
+        print(f"  over {len(ci['replicates'])} workloads (this scenario's first): "
               + ", ".join(f"{r:.4g}" for r in ci["replicates"])
-              + f" requests/s; mean {ci['mean']:.4g}, 95% confidence interval of the mean "
-              f"{ci['low']:.4g} to {ci['high']:.4g}")
+              + f" requests/s, from {ci['min']:.4g} to {ci['max']:.4g}; their mean "
+              f"{ci['mean']:.4g} (95% confidence interval of the mean {ci['low']:.4g} to "
+              f"{ci['high']:.4g}: where the average lies, not one day's traffic)")
     print(f"  {len(result.probes)} simulations: "
           + ", ".join(f"{r:.4g}{'+' if m else '-'}" for r, m in result.probes))
+    plan = result.planning()
+    print(f"plan with {plan['rate_rps']:.4g} requests/s: {plan['basis']}")
     return 0
+
+
+class _progress:
+    """A spinner on stderr naming each finished simulation, only when stderr is a terminal;
+    yields the callback (None when there is no terminal)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.status = None
+
+    def __enter__(self):
+        if not sys.stderr.isatty():
+            return None
+        from rich.console import Console
+        self.status = Console(stderr=True).status(f"{self.label}: first simulation ...")
+        self.status.__enter__()
+        return lambda text: self.status.update(f"{self.label}: {text}")
+
+    def __exit__(self, *exc):
+        if self.status is not None:
+            self.status.__exit__(*exc)
+        return False
 
 
 def _attained(verdict) -> str:
