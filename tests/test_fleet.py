@@ -39,9 +39,7 @@ def cluster(replicas=1, policy="round_robin", **router):
 
 
 def plain_keys(summary):
-    # provenance: the fleet's settings hold its cluster (tests/test_provenance.py)
-    return {k: v for k, v in summary.items()
-            if k not in FLEET_ONLY and k not in ("wall_time_s", "provenance")}
+    return {k: v for k, v in summary.items() if k not in FLEET_ONLY and k != "wall_time_s"}
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "kv_aware"])
@@ -76,8 +74,7 @@ def test_round_robin_replicas_are_separate_runs_of_their_requests(policy):
         separate.append(run)
         row = {k: v for k, v in fleet.summary["replicas"][i].items()
                if k not in ("name", "pool", "role", "gpu")}
-        assert row == {k: v for k, v in run.summary.items()
-                       if k not in ("wall_time_s", "provenance")}
+        assert row == {k: v for k, v in run.summary.items() if k != "wall_time_s"}
         mine = fleet.requests[fleet.requests["replica"] == f"main-{i}"]
         assert csv_text(mine.drop(columns=["replica"]).reset_index(drop=True)) == \
             csv_text(run.requests)

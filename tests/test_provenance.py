@@ -119,7 +119,7 @@ def test_an_interpolated_block_size_is_a_caveat(tmp_path):
     scn = simkv.load_scenario(QUICKSTART, {"cache.block_size": 32,
                                            "cost_model": str(profile / "fit.json"),
                                            "workload.synthetic.num_requests": 5})
-    caveats = simulate(scn).summary["provenance"]["caveats"]
+    caveats = simulate(scn).provenance["caveats"]
     assert any("block size 32 not profiled" in c and "16 and 64" in c for c in caveats)
 
 
@@ -136,3 +136,23 @@ def test_a_sweep_across_cost_model_kinds_says_so():
     one_kind = pd.DataFrame({"gpu": ["h200", "h100"], "cost_model": ["roofline", "roofline"]})
     assert "different kinds of cost model" in mixed_cost_model_kinds(mixed)
     assert mixed_cost_model_kinds(one_kind) is None
+
+
+def test_a_fleets_provenance_holds_its_cluster_and_its_pools_cost_model():
+    from simkv.config.scenario import load_scenario
+    from tests.test_fleet import cluster, scenario
+    raw = {**scenario(num_requests=20), "cluster": cluster(2)}
+    result = simulate(load_scenario(raw))
+    prov = result.provenance
+    assert prov["settings"]["cluster"]["pools"][0]["replicas"] == 2
+    assert prov["cost_model"]["kind"] == "profile" and prov["caveats"] == []
+    assert "provenance" not in result.summary and result.summary_json()["provenance"] == prov
+
+
+def test_a_fleets_requests_csv_has_queue_s_before_where_each_request_went(tmp_path):
+    from simkv.config.scenario import load_scenario
+    from tests.test_fleet import cluster, scenario
+    result = simulate(load_scenario({**scenario(num_requests=20), "cluster": cluster(2)}))
+    result.write(tmp_path)
+    columns = list(pd.read_csv(tmp_path / "requests.csv").columns)
+    assert columns[columns.index("queue_s") + 1] == "replica"

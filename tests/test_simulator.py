@@ -62,7 +62,7 @@ def test_run_replays_the_whole_azure_conv_trace(tmp_path):
     import pandas as pd
     requests = pd.read_csv(tmp_path / "out" / "requests.csv")
     steps = pd.read_csv(tmp_path / "out" / "steps.csv")
-    assert list(requests.columns) == REQUEST_COLUMNS + ["queue_s"]
+    assert list(requests.columns) == REQUEST_COLUMNS
     assert list(steps.columns) == STEP_COLUMNS
     assert len(steps) == summary["num_steps"]
 
@@ -97,8 +97,6 @@ def test_converted_trace_simulates_like_the_original(tmp_path, trace, limit):
         scn["workload"]["limit"] = limit
         summary = simulate(simkv.load_scenario(scn)).summary
         summary.pop("wall_time_s")
-        provenance = summary.pop("provenance")     # names each its own trace file
-        assert provenance["trace"] == str(path.resolve())
         results.append(summary)
     assert results[0] == results[1]
 

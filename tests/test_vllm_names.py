@@ -102,7 +102,7 @@ def test_the_preemption_mode_under_scheduler_points_to_cache():
 def test_swap_says_vllm_v1_only_recomputes():
     scn = simkv.load_scenario(QUICKSTART, {"cache.preemption_mode": "swap",
                                            "workload.synthetic.num_requests": 5})
-    assert SWAP_CAVEAT in simulate(scn).summary["provenance"]["caveats"]
+    assert SWAP_CAVEAT in simulate(scn).provenance["caveats"]
     assert "only recomputes" in SWAP_CAVEAT
 
 

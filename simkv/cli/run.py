@@ -182,14 +182,14 @@ def run(
     scn = load_scenario(scenario, _run_overrides(set_, trace, trace_format))
     simulate = require("simkv.sim.engine", "simulate", "run")
     result = simulate(scn, progress=not as_json, step_terms=step_terms, exact=exact)
-    out_dir = out if out is not None else default_out_dir(scn.name, result.summary)
+    out_dir = out if out is not None else default_out_dir(scn.name, result.provenance)
     result.write(out_dir)
     if "vllm" in export:
         import json
         from simkv.engine.results import atomic_write_text
         atomic_write_text(out_dir / EXPORTS["vllm"], json.dumps(result.vllm_bench(), indent=2) + "\n")
     if as_json:
-        print_json(result.summary)
+        print_json(result.summary_json())
         return
     title = f"{scn.name}: {scn.model.name} on {scn.gpu.name}"
     if scn.cluster is not None:
@@ -198,19 +198,19 @@ def run(
                             f"{scn.cluster.num_replicas} replicas ({scn.model.name})")
     else:
         print_summary(result.summary, title=title)
-    print_caveats(result.summary)
+    print_caveats(result.provenance)
     console().print(f"results written to {out_dir}/")
 
 
-def default_out_dir(name: str, summary: dict) -> Path:
+def default_out_dir(name: str, provenance: dict) -> Path:
     """results/<name>-<8 hex digits of the settings and the trace's hash>."""
     from simkv.sim.provenance import settings_key
-    return Path("results") / f"{name}-{settings_key(summary['provenance'])}"
+    return Path("results") / f"{name}-{settings_key(provenance)}"
 
 
-def print_caveats(summary: dict) -> None:
+def print_caveats(provenance: dict | None) -> None:
     """The provenance's caveats, one line each, after the summary."""
-    for caveat in (summary.get("provenance") or {}).get("caveats", []):
+    for caveat in (provenance or {}).get("caveats", []):
         console().print(f"[yellow]caveat:[/yellow] {caveat}", highlight=False)
 
 

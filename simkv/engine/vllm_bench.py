@@ -78,5 +78,6 @@ def vllm_bench_result(summary: dict, requests: pd.DataFrame, itl_s, *,
     }
     columns = {**{m: completed[c] for m, c in METRICS.items() if m != "itl"}, "itl": itl_s}
     for name in METRICS:
-        result.update(_stats(name, columns[name], percentiles))
+        if columns[name] is not None:    # a run that kept no token gaps has no ITL figures
+            result.update(_stats(name, columns[name], percentiles))
     return result

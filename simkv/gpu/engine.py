@@ -253,7 +253,7 @@ class Engine:
         else:
             from simkv.gpu.ledger import cpu_ledger
             ledger = cpu_ledger(ex.weight_bytes, ex.kv_pool_bytes, extra)
-        return ReplayResult(summary, req_df, steps, ledger, tokens,
+        return ReplayResult(summary, req_df.drop(columns=["queue_s"]), steps, ledger, tokens,
                             scn, {"rejected_reasons": {r.request_id: r.reason for r in sched.done
                                                        if r.reason}})
 

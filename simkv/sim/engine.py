@@ -32,19 +32,40 @@ class SimResult:
     steps: pd.DataFrame
     scenario: object = None
     extra: dict = field(default_factory=dict)
+    provenance: dict | None = None   # where the figures come from (simkv.sim.provenance)
+
+    def summary_json(self) -> dict:
+        """summary.json's content: the summary, then its `provenance`."""
+        if self.provenance is None:
+            return dict(self.summary)
+        return {**self.summary, "provenance": self.provenance}
+
+    def requests_csv(self) -> pd.DataFrame:
+        """requests.csv's content: the requests, with each one's `queue_s` (arrival to
+        admission) last where the run kept it."""
+        queue_s = self.extra.get("queue_s")
+        if queue_s is None or "queue_s" in self.requests.columns:
+            return self.requests
+        if "replica" not in self.requests.columns:
+            return self.requests.assign(queue_s=queue_s)
+        # a fleet's: after the request's own columns, before where it went
+        at = self.requests.columns.get_loc("replica")
+        out = self.requests.copy()
+        out.insert(at, "queue_s", queue_s)
+        return out
 
     def write(self, out_dir) -> Path:
         """Write summary.json, requests.csv and steps.csv (atomically) under `out_dir`, and
         run.json beside them (when, where, the command line: simkv.sim.provenance)."""
         from simkv.sim.provenance import run_record
-        return write_results(out_dir, self.summary, self.requests, self.steps,
+        return write_results(out_dir, self.summary_json(), self.requests_csv(), self.steps,
                              run=run_record(self.summary.get("wall_time_s")))
 
     def vllm_bench(self) -> dict:
         """The run's metrics under `vllm bench serve`'s names and units (simkv.engine.vllm_bench)."""
         from simkv.engine.vllm_bench import vllm_bench_result
         model = self.scenario.model.name if self.scenario is not None else None
-        return vllm_bench_result(self.summary, self.requests, self.extra.get("itl_s", []),
+        return vllm_bench_result(self.summary, self.requests, self.extra.get("itl_s"),
                                  model_id=model)
 
 
@@ -150,12 +171,13 @@ class Simulation:
                  "warnings": list(self.frame.attrs.get("warnings", [])),
                  "itl_s": np.frombuffer(self.scheduler.itl_s, dtype=np.float64)
                  if len(self.scheduler.itl_s) else np.zeros(0),
+                 "queue_s": req_df["queue_s"].to_numpy(),
                  "rejected_reasons": {r.request_id: r.reason for r in self.scheduler.done
                                       if r.reason}}
         if getattr(self.cost_model, "is_estimate", False):
             summary["cost_model_note"] = getattr(self.cost_model, "note", "estimate from specs")
-        summary["provenance"] = provenance(self.scenario, self.cost_model)
-        return SimResult(summary, req_df, steps_df, self.scenario, extra)
+        return SimResult(summary, req_df.drop(columns=["queue_s"]), steps_df, self.scenario,
+                         extra, provenance(self.scenario, self.cost_model))
 
 
 class _NoProgress:
@@ -216,7 +238,12 @@ def simulate(scenario, *, trace_df: pd.DataFrame | None = None, check_integrity:
     runs as a fleet (simkv.sim.cluster.fleet)."""
     if getattr(scenario, "cluster", None) is not None:
         from simkv.sim.cluster.fleet import simulate_fleet
-        return simulate_fleet(scenario, trace_df=trace_df, check_integrity=check_integrity,
-                              cost_model=cost_model, step_terms=step_terms, exact=exact)
+        result = simulate_fleet(scenario, trace_df=trace_df, check_integrity=check_integrity,
+                                cost_model=cost_model, step_terms=step_terms, exact=exact)
+        if result.provenance is None:
+            models = [cost_model] if cost_model is not None else \
+                [load_cost_model(pool.scenario) for pool in scenario.cluster.pools]
+            result.provenance = provenance(scenario, models)
+        return result
     return Simulation(scenario, trace_df, check_integrity, progress, cost_model,
                       step_terms, exact).run()

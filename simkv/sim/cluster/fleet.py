@@ -352,12 +352,12 @@ class Fleet:
         extra = {"dropped": dict(self.frame.attrs.get("dropped", {})),
                  "warnings": list(self.frame.attrs.get("warnings", [])),
                  "replicas": [r.name for r in self.replicas],
+                 # requests.csv's queue_s and vllm_bench.json's ITL (SimResult.requests_csv)
+                 "queue_s": req_all["queue_s"].to_numpy(),
                  "itl_s": np.concatenate([np.frombuffer(r.scheduler.itl_s, dtype=np.float64)
                                           for r in self.replicas if len(r.scheduler.itl_s)]
                                          or [np.zeros(0)])}
-        from simkv.sim.provenance import provenance
-        summary["provenance"] = provenance(scn, [r.cost_model for r in self.replicas])
-        return SimResult(summary, req_all, steps_all, scn, extra)
+        return SimResult(summary, req_all.drop(columns=["queue_s"]), steps_all, scn, extra)
 
 
 def simulate_fleet(scenario, *, trace_df=None, check_integrity: bool = False, cost_model=None,
