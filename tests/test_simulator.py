@@ -62,7 +62,7 @@ def test_run_replays_the_whole_azure_conv_trace(tmp_path):
     import pandas as pd
     requests = pd.read_csv(tmp_path / "out" / "requests.csv")
     steps = pd.read_csv(tmp_path / "out" / "steps.csv")
-    assert list(requests.columns) == REQUEST_COLUMNS
+    assert list(requests.columns) == REQUEST_COLUMNS + ["queue_s"]
     assert list(steps.columns) == STEP_COLUMNS
     assert len(steps) == summary["num_steps"]
 
