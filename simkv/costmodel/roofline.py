@@ -12,6 +12,11 @@ of the two is the term, and everything else (attention, shared experts, routers,
 the LM head) stays in `linear`. Weights are the checkpoint's bytes (a quantized checkpoint reads
 less); fp8 weights run at the GPU's fp8 rate (activations quantized on the fly), weight-only
 formats (int4, mxfp4) at the bf16 rate. All experts are on the one GPU (no expert parallelism).
+Attention by layer kind (`grouped_attention`, for models with window or linear-attention
+layers): a full layer reads its whole context, a window layer at most window - 1 tokens before
+a query, a linear-attention layer reads and writes a constant state per sequence and does its
+recurrence per token. An MLA decode reads one latent per token and layer and attends in the
+latent (the absorbed form), so its KV term is the larger of that read and those FLOPs.
 The efficiency factors are calibrated on a profiled GPU (see `simkv fit`); until then they are
 defaults, and every result that uses this model says it is an estimate.
 """
@@ -73,6 +78,27 @@ def load_calibration(gpu_name: str, profiles: Path) -> Optional[dict]:
     return None
 
 
+def window_pairs(start: int, n: int, window: int) -> int:
+    """Query-key pairs of n queries at positions start..start+n-1, each attending to itself and
+    the window - 1 tokens before it (at most): sum of min(p + 1, window)."""
+    lo, hi = start + 1, start + n            # each query's keys, unbounded: lo..hi
+    if hi <= window:
+        return (lo + hi) * n // 2
+    if lo > window:
+        return n * window
+    return (lo + window) * (window - lo + 1) // 2 + (hi - window) * window
+
+
+def linear_attention_flops(model) -> float:
+    """FLOPs per token of one linear-attention layer's recurrence (the projections are in the
+    parameters): per value head, the delta-rule update of its key x value state (decay, read,
+    rank-one write) and the output read, about 4 multiply-adds per state element."""
+    g = model.linear_attention
+    if g is None:
+        return 0.0
+    return 8.0 * g.num_value_heads * g.key_head_dim * g.value_head_dim
+
+
 class RooflineCostModel(TermModel):
     """`predict(plan) -> seconds` from specs, as named terms; `name` is reported in every
     result."""
@@ -110,6 +136,25 @@ class RooflineCostModel(TermModel):
         self.seconds_per_flop = 1.0 / (gpu.flops_per_s(compute) * p.flops_efficiency)
         self.seconds_per_attn_flop = 1.0 / (gpu.bf16_flops_per_s * p.attention_flops_efficiency)
         self.seconds_per_host_byte = 1.0 / (gpu.host_link_bytes_per_s * p.host_link_efficiency)
+        # Attention by kind of layer (simkv.kv_geometry): None for a model whose layers all
+        # keep full KV, which pays nothing more per step
+        types = model.attention_types
+        self.layer_counts = None
+        if "sliding_attention" in types or "linear_attention" in types:
+            self.layer_counts = tuple(sum(1 for t in types if t == kind) for kind in (
+                "full_attention", "sliding_attention", "linear_attention"))
+            self.window = model.sliding_window or 0
+            self.linear_state_bytes = model.linear_state_bytes()
+            self.linear_flops_per_token = linear_attention_flops(model)
+        # MLA decodes attend in the latent (the absorbed form vLLM's MLA backends run): per
+        # query-key pair and layer, 2 x heads x (latent + rope) FLOPs for the scores and
+        # 2 x heads x latent for the values, against one latent read per token and layer
+        # (as a multiple of the prefill's per-pair FLOPs, 2 x heads x (qk + v): a tensor-parallel
+        # rank's share of the heads follows)
+        self.mla_absorbed_ratio = 0.0
+        if model.kv_lora_rank is not None:
+            self.mla_absorbed_ratio = (2 * model.kv_lora_rank + model.qk_rope_head_dim) \
+                / (model.qk_head_dim + model.v_head_dim)
 
     def term_values(self, plan) -> tuple:
         """Seconds of one step's terms (TERMS): linear layers (weight read or FLOPs, whichever is
@@ -122,10 +167,16 @@ class RooflineCostModel(TermModel):
             sampled = plan.num_decode_tokens + plan.num_prefill_seqs
             flops = self.flops_per_token * tokens + self.flops_per_sample * sampled
             linear = max(self.weight_bytes * self.seconds_per_byte, flops * self.seconds_per_flop)
-            kv_read = plan.decode_context_tokens + plan.prefill_context_tokens
-            kv = (kv_read + tokens) * self.kv_bytes_per_token * self.seconds_per_byte
-            attention = plan.prefill_attention_pairs * self.attn_flops_per_pair \
-                * self.seconds_per_attn_flop
+            if self.layer_counts is None:
+                kv_read = plan.decode_context_tokens + plan.prefill_context_tokens
+                kv = (kv_read + tokens) * self.kv_bytes_per_token * self.seconds_per_byte
+                attention = plan.prefill_attention_pairs * self.attn_flops_per_pair \
+                    * self.seconds_per_attn_flop
+            else:
+                kv, attention = self.grouped_attention(plan, tokens)
+            if self.mla_absorbed_ratio:
+                kv = max(kv, plan.decode_context_tokens * self.attn_flops_per_pair
+                         * self.mla_absorbed_ratio * self.seconds_per_attn_flop)
             if p.eager_overhead_s_per_layer is None:
                 overhead = p.step_overhead_s
             elif plan.num_prefill_tokens == 0 and plan.num_decode_tokens <= p.graph_max_batch:
@@ -145,6 +196,30 @@ class RooflineCostModel(TermModel):
             experts = max(moe.expert_bytes_read * self.seconds_per_byte,
                           moe.expert_flops * self.seconds_per_flop)
         return (linear, experts, kv, attention, overhead, per_seq, copies, swaps)
+
+    def grouped_attention(self, plan, tokens: int) -> tuple:
+        """(KV read/write seconds, prefill attention seconds) of a model with window or
+        linear-attention layers: a full layer reads every context token, a window layer at
+        most its window (a chunk: window - 1 before its first query, plus the chunk), a
+        linear-attention layer reads and writes its state once per scheduled sequence and
+        does its recurrence per token; prefill pairs per layer kind."""
+        full, sliding, linear = self.layer_counts
+        per_layer = self.kv_bytes_per_token / (full + sliding)
+        pair_flops = self.attn_flops_per_pair / (full + sliding)
+        w = self.window
+        full_read = sliding_read = full_pairs = sliding_pairs = 0
+        for item in plan.scheduled:
+            s, n = item.start, item.num_tokens
+            full_read += s + n
+            sliding_read += min(s + n, w - 1 + n)
+            if not item.is_decode:
+                full_pairs += n * s + n * (n + 1) // 2
+                sliding_pairs += window_pairs(s, n, w)
+        read = (full * full_read + sliding * sliding_read + (full + sliding) * tokens) \
+            * per_layer + 2 * linear * self.linear_state_bytes * len(plan.scheduled)
+        flops = (full * full_pairs + sliding * sliding_pairs) * pair_flops \
+            + linear * self.linear_flops_per_token * tokens
+        return read * self.seconds_per_byte, flops * self.seconds_per_attn_flop
 
     def moe(self, plan):
         """The step's MoE features (simkv.costmodel.features.MoeStep) at this model's skew."""
