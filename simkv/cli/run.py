@@ -161,6 +161,10 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="Override a scenario key: KEY=VALUE (repeatable)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Replace the workload with this trace file."),
     trace_format: Optional[str] = typer.Option(None, "--trace-format", help="auto|azure|mooncake|burstgpt|csv"),
+    offset: Optional[int] = typer.Option(
+        None, "--offset", help="Skip the workload's first N requests (= --set workload.offset=N)."),
+    limit: Optional[int] = typer.Option(
+        None, "--limit", help="Keep N requests after the offset (= --set workload.limit=N)."),
     out: Optional[Path] = typer.Option(
         None, "--out", help="Results folder (default results/<scenario name>-<hash of the "
                             "settings>, so that runs of different settings never share one)."),
@@ -179,7 +183,10 @@ def run(
     for kind in export:
         if kind not in EXPORTS:
             raise InputError(f"--export: {kind!r} is not one of {', '.join(EXPORTS)}")
-    scn = load_scenario(scenario, _run_overrides(set_, trace, trace_format))
+    overrides = _run_overrides(set_, trace, trace_format)
+    overrides.update({f"workload.{k}": v for k, v in (("offset", offset), ("limit", limit))
+                      if v is not None})
+    scn = load_scenario(scenario, overrides)
     simulate = require("simkv.sim.engine", "simulate", "run")
     result = simulate(scn, progress=not as_json, step_terms=step_terms, exact=exact)
     out_dir = out if out is not None else default_out_dir(scn.name, result.provenance)

@@ -32,14 +32,19 @@ def sweep(
 def capacity(
     scenario: Path = typer.Argument(..., help="Scenario YAML with an slo: section."),
     set_: list[str] = typer.Option([], "--set", help="KEY=VALUE override (repeatable)."),
-    replicates: int = typer.Option(1, "--replicates", help="Seeds / bootstrap resamples."),
+    replicates: int = typer.Option(1, "--replicates", help="Workloads to search: the scenario's, then K-1 reseeded or resampled ones."),
     tolerance: float = typer.Option(0.02, "--tolerance", help="Relative bisection tolerance."),
+    resample: str = typer.Option(
+        "bootstrap", "--resample",
+        help="How a trace's replicates are made: bootstrap (block bootstrap of the window) or "
+             "windows (the next workload.limit requests, and the next ...)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> int:
-    """Highest request rate (by scaling inter-arrival times) that meets every SLO."""
+    """Highest request rate (by scaling inter-arrival times) that meets every SLO, and the
+    rate to plan with."""
     capacity_command = require("simkv.whatif.commands", "capacity_command", "capacity")
     return capacity_command(scenario, set_, replicates=replicates, tolerance=tolerance,
-                            as_json=as_json)
+                            as_json=as_json, resample=resample)
 
 
 def check(

@@ -51,4 +51,10 @@ class WorkloadConfig:
     time_scale: float = 1.0
     limit: Optional[int] = None
     synthetic: Optional[dict[str, Any]] = None  # generator spec (see simkv.workload.synthetic)
+    # the window and its shape (simkv.workload.frames.shape_frame)
+    offset: int = 0                             # skip the first N requests; the window starts at 0 s
+    model_filter: Optional[list] = None         # BurstGPT: keep the rows of these Model names
+    prompt_scale: float = 1.0                   # multiply prompt lengths (rounded, >= 1)
+    output_scale: float = 1.0                   # multiply output lengths (rounded, >= 1)
+    resample: Optional[str] = None              # bootstrap: a block bootstrap drawn with `seed`
 

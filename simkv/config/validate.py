@@ -20,6 +20,7 @@ CHOICES = {
     "scheduler.policy": ("fcfs", "priority"),
     "scheduler.parallel_sampling": ("fanout", "fork"),
     "workload.format": ("auto", "azure", "mooncake", "burstgpt", "csv"),
+    "workload.resample": (None, "bootstrap"),
 }
 COST_MODEL_KEYWORDS = ("auto", "profile", "roofline")
 GPU_CLOCK_CHOICES = ("auto", "fixed")
@@ -94,8 +95,9 @@ class Validator:
 
     def choice(self, key: str, value: str) -> None:
         if value not in CHOICES[key]:
+            names = ", ".join("null" if c is None else c for c in CHOICES[key])
             also = f" (or vLLM's {', '.join(KV_DTYPE_ALIASES)})" if key == "cache.kv_dtype" else ""
-            self.fail(key, f"{value!r} is not one of {', '.join(CHOICES[key])}{also}")
+            self.fail(key, f"{value!r} is not one of {names}{also}")
 
 
 def resolve_path(text: str, base_dir: Path) -> str:
@@ -131,6 +133,13 @@ def check_ranges(v: Validator, cache: CacheConfig, scheduler: SchedulerConfig,
     v.positive("scheduler.max_loras", scheduler.max_loras)
     v.positive("workload.time_scale", workload.time_scale)
     v.positive("workload.limit", workload.limit)
+    v.positive("workload.offset", workload.offset, allow_zero=True)
+    v.positive("workload.prompt_scale", workload.prompt_scale)
+    v.positive("workload.output_scale", workload.output_scale)
+    if workload.model_filter is not None and (
+            not workload.model_filter or not all(isinstance(m, str) for m in workload.model_filter)):
+        v.fail("workload.model_filter", "must be a non-empty list of BurstGPT Model names, e.g. "
+                                        "[ChatGPT]")
     v.positive("seed", seed, allow_zero=True)
     cache.kv_dtype = kv_dtype_name(cache.kv_dtype)      # vLLM's names too (fp8_e4m3, auto)
     sections = {"cache": cache, "scheduler": scheduler, "workload": workload}

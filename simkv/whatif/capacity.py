@@ -29,6 +29,7 @@ import pandas as pd
 from simkv.config.scenario import with_overrides
 from simkv.engine.metrics import slo_met, slo_percentile_failures
 from simkv.errors import InputError
+from simkv.workload.frames import block_bootstrap  # noqa: F401 (also imported from here)
 
 SLO_ATTAINMENT = 0.9           # fraction of requests that must meet every per-request SLO
 PER_REQUEST_SLOS = ("ttft_s", "tpot_s", "e2e_s")
@@ -246,40 +247,42 @@ class CapacitySearch:
 # Replicates: the same search on resampled workloads, for a confidence interval
 
 
-def replicate_frame(scenario, replicate: int) -> tuple[dict, pd.DataFrame]:
-    """(overrides, requests at time_scale 1) for replicate k: k = 0 is the scenario as given;
-    a synthetic workload draws again with seed + k, a trace is block-bootstrapped (seeded)."""
+RESAMPLE = ("bootstrap", "windows")
+
+
+def replicate_frame(scenario, replicate: int, resample: str = "bootstrap"
+                    ) -> tuple[dict, pd.DataFrame]:
+    """(overrides, requests at time_scale 1) for replicate k: k = 0 is the scenario as given.
+    A synthetic workload (or a trace with `workload.resample: bootstrap`) draws again with
+    seed + k. A plain trace is block-bootstrapped (`resample` bootstrap, seeded by (seed, k)) or
+    shifted by k windows (`windows`: offset + k × limit, the next stretch of the same trace)."""
     from simkv.workload.frames import load_requests_frame
 
-    synthetic = scenario.workload.trace is None
-    overrides = {"seed": scenario.seed + replicate} if replicate and synthetic else {}
+    wl = scenario.workload
+    reseeded = wl.trace is None or getattr(wl, "resample", None) == "bootstrap"
+    overrides = {}
+    if replicate and reseeded:
+        overrides = {"seed": scenario.seed + replicate}
+    elif replicate and resample == "windows":
+        if wl.limit is None:
+            raise InputError(f"{scenario.path or scenario.name}: --resample windows needs "
+                             "workload.limit (the window's length in requests)")
+        overrides = {"workload.offset": wl.offset + replicate * wl.limit}
     frame = load_requests_frame(with_overrides(scenario,
                                                {**overrides, "workload.time_scale": 1.0}))
-    if replicate and not synthetic:
+    if replicate and not reseeded and resample == "windows" and len(frame) < wl.limit:
+        raise InputError(f"{wl.trace}: window {replicate + 1} (requests from "
+                         f"{overrides['workload.offset']}) holds only {len(frame)} of "
+                         f"{wl.limit} requests: the trace has room for fewer replicates")
+    if replicate and not reseeded and resample == "bootstrap":
         frame = block_bootstrap(frame, np.random.default_rng([scenario.seed, replicate]))
     return overrides, frame
 
 
-def block_bootstrap(frame: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
-    """A moving-block bootstrap of a request frame: as many requests, drawn as runs of
-    ~sqrt(N) consecutive requests (each with the gap before it), so that bursts survive."""
-    count = len(frame)
-    block = max(1, int(math.sqrt(count)))
-    gaps = np.diff(frame["arrival_s"].to_numpy(), prepend=frame["arrival_s"].iloc[0])
-    starts = rng.integers(0, count - block + 1, size=-(-count // block))
-    rows = np.concatenate([np.arange(s, s + block) for s in starts])[:count]
-    out = frame.iloc[rows].reset_index(drop=True)
-    picked = gaps[rows]
-    picked[0] = 0.0
-    out["arrival_s"] = np.cumsum(picked)
-    out["request_id"] = np.arange(count, dtype=np.int64)
-    out.attrs.update(frame.attrs)
-    return out
-
-
 def _search_replicate(scenario, replicate: int, start_scale: float, tolerance: float,
-                      attainment: float, on_probe=None) -> tuple[Probe, Probe, list]:
-    overrides, frame = replicate_frame(scenario, replicate)
+                      attainment: float, resample: str = "bootstrap",
+                      on_probe=None) -> tuple[Probe, Probe, list]:
+    overrides, frame = replicate_frame(scenario, replicate, resample)
     search = CapacitySearch(scenario, frame, attainment, overrides, on_probe)
     low, above = search.search(search.base_rate_rps / start_scale, tolerance)
     return low, above, search.order
@@ -307,13 +310,14 @@ def confidence_interval(rates: list[float]) -> dict:
 
 def find_capacity(scenario, *, tolerance: float = 0.02, replicates: int = 1,
                   attainment: float = SLO_ATTAINMENT, workers: Optional[int] = None,
-                  on_progress=None) -> CapacityResult:
+                  on_progress=None, resample: str = "bootstrap") -> CapacityResult:
     """The highest arrival rate (requests/s) at which `scenario` meets its SLOs.
 
     `tolerance`: relative width of the final bracket. With `replicates` K > 1, K searches (the
     scenario, then K − 1 reseeded, resampled or shifted workloads: replicate_frame) run in
     parallel; `ci` gives their rates, their spread (min, max) and a 95% t interval of their
-    mean; `max_rate_rps` is always the scenario's own and `planning_rate_rps` the rate to plan
+    mean (`resample`: how a trace's replicates are made, replicate_frame);
+    `max_rate_rps` is always the scenario's own and `planning_rate_rps` the rate to plan
     with (the PLANNING_QUANTILE of the workloads' rates). `on_progress(text)` is called after
     each simulation (one workload) or each finished workload (replicates).
     """
@@ -325,7 +329,9 @@ def find_capacity(scenario, *, tolerance: float = 0.02, replicates: int = 1,
         raise InputError(f"--tolerance: must be in (0, {ABOVE_FACTOR - 1:.2f}), got {tolerance}")
     if replicates < 1:
         raise InputError(f"--replicates: must be >= 1, got {replicates}")
-    args = (scenario.workload.time_scale, tolerance, attainment)
+    if resample not in RESAMPLE:
+        raise InputError(f"--resample: {resample!r} is not one of {', '.join(RESAMPLE)}")
+    args = (scenario.workload.time_scale, tolerance, attainment, resample)
     if replicates == 1:
         def on_probe(probe):
             if on_progress is not None:

@@ -97,7 +97,8 @@ def _fmt(value) -> str:
 
 
 def capacity_command(scenario_path: str | Path, sets: list[str], replicates: int = 1,
-                     tolerance: float = 0.02, as_json: bool = False) -> int:
+                     tolerance: float = 0.02, as_json: bool = False,
+                     resample: str = "bootstrap") -> int:
     """`simkv capacity SCENARIO [--set ...] [--replicates K] [--tolerance F] [--json]`.
 
     Prints the highest arrival rate meeting every SLO (JSON keys: max_rate_rps, rate_scale,
@@ -108,7 +109,7 @@ def capacity_command(scenario_path: str | Path, sets: list[str], replicates: int
     scenario = load_scenario(scenario_path, parse_set(sets))
     with _progress(f"capacity of {scenario.name}") as on_progress:
         result = find_capacity(scenario, tolerance=tolerance, replicates=replicates,
-                               on_progress=on_progress)
+                               on_progress=on_progress, resample=resample)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return 0

@@ -50,6 +50,8 @@ def _load_burstgpt(path: Path):
     prompt = _numbers(path, lines, raw["Request tokens"], integer=True)
     output = _numbers(path, lines, raw["Response tokens"], integer=True)
     columns = {"arrival_s": arrival, "prompt_tokens": prompt, "output_tokens": output}
+    if "Model" in raw.columns:     # for workload.model_filter (simkv.workload.traces)
+        columns["model"] = raw["Model"].str.strip().to_numpy(dtype=object)
     return _drop_rows(columns, {"failed (Response tokens == 0)": output == 0,
                                 "empty prompt (Request tokens == 0)": prompt == 0})
 

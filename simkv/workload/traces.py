@@ -34,13 +34,16 @@ FORMATS = ("azure", "mooncake", "burstgpt", "csv")
 
 
 def load_trace(path: str | Path, format: str = "auto", time_scale: float = 1.0,
-               limit: int | None = None) -> pd.DataFrame:
+               limit: int | None = None, offset: int = 0,
+               model_filter: list | None = None) -> pd.DataFrame:
     """Load a trace file into the canonical frame (columns COLUMNS, sorted by arrival).
 
     `format`: auto | azure | mooncake | burstgpt | csv. `time_scale` multiplies inter-arrival
-    times (2.0 = half the request rate); `limit` keeps the first N requests by arrival.
-    Arrivals are seconds from the first request. `attrs` carries `format`, `source` (the path),
-    `dropped` (reason -> rows) and `warnings` (list of str).
+    times (2.0 = half the request rate); `offset` skips the first N requests by arrival and
+    `limit` keeps the next N (a window of the trace). Arrivals are seconds from the window's
+    first request. `model_filter` (BurstGPT only) keeps the rows whose Model is one of those
+    names, before the window is cut. `attrs` carries `format`, `source` (the path), `dropped`
+    (reason -> rows) and `warnings` (list of str).
     """
     path = Path(path)
     if format != "auto" and format not in FORMATS:
@@ -49,8 +52,27 @@ def load_trace(path: str | Path, format: str = "auto", time_scale: float = 1.0,
     fmt = detect_format(path) if format == "auto" else format
     _check_file(path)
     columns, dropped, warnings = LOADERS[fmt](path)
+    models = columns.pop("model", None)
+    if model_filter is not None:
+        columns, dropped = _filter_models(path, fmt, columns, models, model_filter, dropped)
     return build_trace(columns, source=str(path), format=fmt, dropped=dropped,
-                       warnings=warnings, time_scale=time_scale, limit=limit)
+                       warnings=warnings, time_scale=time_scale, limit=limit, offset=offset)
+
+
+def _filter_models(path, fmt, columns, models, wanted, dropped):
+    """Keep the rows of a BurstGPT trace whose Model is in `wanted`; count the others."""
+    if fmt != "burstgpt" or models is None:
+        raise InputError(f"{path}: workload.model_filter needs a BurstGPT trace with a Model "
+                         f"column (this one is {fmt})")
+    keep = np.isin(models, list(wanted))
+    if not keep.any():
+        names = ", ".join(sorted(set(models.tolist())))
+        raise InputError(f"{path}: workload.model_filter {list(wanted)}: no row has such a "
+                         f"Model (the trace has: {names})")
+    dropped = {**dropped, f"Model not in {', '.join(wanted)}": int((~keep).sum())}
+    kept = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list)
+            else np.asarray(values)[keep] for name, values in columns.items()}
+    return kept, dropped
 
 
 def detect_format(path: str | Path) -> str:
@@ -76,7 +98,8 @@ def detect_format(path: str | Path) -> str:
 
 def build_trace(columns: Mapping[str, object], *, source: str, format: str,
                 dropped: dict | None = None, warnings: list | None = None,
-                time_scale: float = 1.0, limit: int | None = None) -> pd.DataFrame:
+                time_scale: float = 1.0, limit: int | None = None,
+                offset: int = 0) -> pd.DataFrame:
     """Assemble the canonical frame from per-request columns (any order of arrival).
 
     `columns` needs `arrival_s` (s), `prompt_tokens`, `output_tokens`; the other COLUMNS default
@@ -134,6 +157,15 @@ def build_trace(columns: Mapping[str, object], *, source: str, format: str,
             parent = frame["parent_request_id"].to_numpy()
             frame["parent_request_id"] = np.where(parent >= 0, position[np.maximum(parent, 0)],
                                                   -1)
+    if offset:
+        if offset >= len(frame):
+            raise InputError(f"{source}: workload.offset {offset} skips every request (the "
+                             f"trace has {len(frame)})")
+        if columns.get("parent_request_id") is not None and \
+                (frame["parent_request_id"].to_numpy() >= 0).any():
+            raise InputError(f"{source}: workload.offset cuts a trace whose turns continue "
+                             "earlier requests (parent_request_id); use limit alone")
+        frame = frame.iloc[offset:].reset_index(drop=True)
     if limit is not None:
         frame = frame.iloc[:limit].reset_index(drop=True)
     frame["arrival_s"] = (frame["arrival_s"] - frame["arrival_s"].iloc[0]) * float(time_scale)
