@@ -95,13 +95,26 @@ def test_round_robin_replicas_are_separate_runs_of_their_requests(policy):
     assert len(total["pools"]) == 1 and total["pools"][0]["requests_total"] == 240
 
 
-@pytest.mark.parametrize("policy,refresh_s", [
-    ("least_requests", 0), ("least_kv", 0), ("least_kv", 0.05), ("prefix_affinity", 0),
-    ("kv_aware", 0)])
-def test_a_state_dependent_router_gives_the_step_by_step_results(policy, refresh_s,
+TIGHT_SHARED = {"shared_prefix": {"num_groups": 12, "prefix_tokens": 3000, "fraction": 1.0,
+                                  "block_tokens": 16},
+                "cache": {"block_size": 16, "prefix_sharing_scope": "global",
+                          "num_gpu_blocks_override": 1500}}
+
+
+@pytest.mark.parametrize("policy,refresh_s,tight", [
+    ("least_requests", 0, False), ("least_kv", 0, False), ("least_kv", 0.05, False),
+    ("prefix_affinity", 0, False), ("kv_aware", 0, False), ("kv_aware", 0, True),
+    ("least_kv", 0, True)])
+def test_a_state_dependent_router_gives_the_step_by_step_results(policy, refresh_s, tight,
                                                                   monkeypatch):
-    raw = {**scenario(num_requests=200, rate=20.0, cancel_fraction=0.1),
+    """Decode runs cut at routed arrivals give the steps one by one, byte for byte; `tight`:
+    shared prefixes in a small pool, where runs evict cached blocks a router's lookup sees."""
+    raw = {**scenario(num_requests=200, rate=20.0, cancel_fraction=0.1,
+                      shared_prefix=TIGHT_SHARED["shared_prefix"] if tight else None),
            "cluster": cluster(3, policy, refresh_s=refresh_s)}
+    if tight:
+        raw["cache"] = TIGHT_SHARED["cache"]
+        raw["scheduler"] = {"max_model_len": 8192}
     scn = load_scenario(raw)
     runs = []
     commit = DecodeRun.commit
@@ -118,9 +131,9 @@ def test_a_state_dependent_router_gives_the_step_by_step_results(policy, refresh
     assert csv_text(fast.requests) == csv_text(exact.requests)
     assert csv_text(fast.steps) == csv_text(exact.steps)
     assert fast.summary["replicas"] == exact.summary["replicas"]
-    # every router but kv_aware keeps decode runs, cut where an arrival is routed inside one
-    assert (sum(took) > 0.2 * len(fast.steps)) == (policy != "kv_aware"), sum(took)
-    assert (len(cuts) > 10) == (policy != "kv_aware"), len(cuts)
+    # decode runs are kept, cut where an arrival is routed inside one
+    assert sum(took) > 0.2 * len(fast.steps), sum(took)
+    assert len(cuts) > 10, len(cuts)
     assert len(runs) == len(took)          # the exact run takes none
 
 
@@ -290,3 +303,39 @@ def test_capacity_of_a_cluster_grows_with_its_replicas():
     rates = [find_capacity(load_scenario({**raw, "cluster": cluster(n)}), tolerance=0.05)
              .max_rate_rps for n in (1, 2)]
     assert rates[1] > 1.5 * rates[0]
+
+
+def test_a_lookup_inside_a_run_sees_the_blocks_its_started_steps_took():
+    """kv_aware's lookup on a replica inside a decode run, with the cached blocks the run's
+    started steps took counted as gone, equals a lookup after those blocks were taken."""
+    import copy
+
+    from simkv.engine.kv.hashing import hash_root
+    from simkv.engine.request import Sequence
+    from simkv.sim.cluster.router import _lookup_without, hashed_among_first_free
+    from simkv.sim.engine import Simulation
+    from simkv.workload.frames import requests_from_frame
+
+    shared = {"num_groups": 3, "prefix_tokens": 480, "fraction": 1.0, "block_tokens": 16}
+    raw = scenario(num_requests=60, rate=5.0, shared_prefix=shared)
+    raw["cache"] = {"block_size": 16, "prefix_sharing_scope": "global",
+                    "num_gpu_blocks_override": 400}
+    raw["scheduler"] = {"max_model_len": 4096}
+    scn = load_scenario(raw)
+    sim = Simulation(scn)
+    sim.run()
+    kv = sim.scheduler.kv
+    assert kv.pool.num_cached_free > 50          # finished requests' blocks, still hittable
+    probes = requests_from_frame(load_requests_frame(scn))[:12]
+    checked = 0
+    for count in (1, 7, 40, 150, 399):
+        evicted = hashed_among_first_free(kv.pool, count)
+        after = copy.deepcopy(kv)
+        after.pool.take(count)
+        for req in probes:
+            seq = Sequence(-1, req, 0, req.prompt_tokens)
+            req.hash_root = hash_root(req, sim.scheduler.global_prefix_scope)
+            _, tokens = after.prefix_lookup(Sequence(-1, req, 0, req.prompt_tokens))
+            assert _lookup_without(kv, seq, evicted) == tokens
+            checked += tokens > 0
+    assert checked > 10

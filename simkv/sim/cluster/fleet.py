@@ -20,9 +20,12 @@ replica):
   what the steps one by one would show: request counts do not change inside a run
   (least_requests, prefix_affinity), and the blocks of the steps that have started are counted
   as in use (least_kv; a run commits its blocks at its end). kv_aware also reads each
-  replica's prefix index, whose evictions a run applies at its end, so its replicas take every
-  step one by one. Under prefill/decode pools the horizon is the next event anywhere in the
-  fleet and runs are not cut.
+  replica's prefix index, whose evictions a run applies at its end: its lookup counts the
+  cached blocks that the run's started steps have taken from the free queue (the queue's
+  first blocks, in step order) as gone, as they would be. A decode fills blocks that only a
+  later turn of its conversation can hit, and a run registers them at its end, so under
+  kv_aware a trace with turns takes every step one by one. Under prefill/decode pools the
+  horizon is the next event anywhere in the fleet and runs are not cut.
 
 Prefill/decode pools (simkv.sim.cluster.disagg): a request is prefilled on a prefill replica
 (its first output token sampled there and not returned), its KV sent over the link to a decode
@@ -47,7 +50,7 @@ from simkv.engine.build import build_scheduler
 from simkv.engine.loop import HORIZON, IDLE, NOW, RunSteps, delay_to, hops, serve
 from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
 from simkv.sim.cluster import summary as fleet_summary
-from simkv.sim.cluster.router import READS_KV, Router, assign
+from simkv.sim.cluster.router import READS_KV, Router, assign, hashed_among_first_free
 from simkv.sim.executor import CostModelExecutor
 from simkv.workload.frames import load_requests_frame, requests_from_frame
 
@@ -88,6 +91,12 @@ class Replica:
         if self.run_steps is not None:       # the blocks of the run's steps started so far
             used += self.run_steps.run.blocks_taken(self._step_in_flight())
         return used / kv.num_blocks
+
+    def blocks_evicted_in_run(self) -> set:
+        """The hashed blocks that the run's steps started so far have taken from the free queue
+        (one by one, those steps would have dropped them from the prefix index by now)."""
+        return hashed_among_first_free(self.scheduler.kv.pool,
+                                       self.run_steps.run.blocks_taken(self._step_in_flight()))
 
     def _step_in_flight(self) -> int:
         """The step of the run in flight at the fleet's time (k: ends[k - 1] < now <= ends[k];
@@ -144,9 +153,11 @@ class Fleet:
             self.disagg = Disaggregation(self)
         # own horizons: the replicas cannot see one another
         self.own_horizon = policy in STATE_INDEPENDENT and self.disagg is None
+        frame = self.frame
+        turns = "parent_request_id" in frame and bool((frame["parent_request_id"] >= 0).any())
         step_by_step = exact or step_terms or (
-            policy == "kv_aware" and len(self.replicas) > 1) or self.disagg is not None \
-            and policy in READS_KV
+            policy == "kv_aware" and len(self.replicas) > 1 and turns) \
+            or self.disagg is not None and policy in READS_KV
         self.decode_runs = not step_by_step
         # routed replicas' runs are cut where an arrival reaches them
         self.cut_runs = self.decode_runs and not self.own_horizon and self.disagg is None

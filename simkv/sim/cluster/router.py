@@ -32,12 +32,12 @@ import math
 import numpy as np
 
 from simkv.config.cluster import STATE_INDEPENDENT
-from simkv.engine.kv.hashing import hash_root
+from simkv.engine.kv.hashing import extend_block_hashes, hash_root
 from simkv.engine.request import Sequence
 
 # routers that read a replica's KV blocks in use: a decode run commits its blocks at its end,
-# so the fleet counts a run's blocks as in use while it runs (least_kv), or takes the steps one
-# by one where the router also reads the prefix index (kv_aware; simkv.sim.cluster.fleet)
+# so the fleet counts the blocks of a run's started steps as in use, and kv_aware's lookups
+# count the cached ones among them as evicted (simkv.sim.cluster.fleet)
 READS_KV = ("least_kv", "kv_aware")
 
 
@@ -177,6 +177,51 @@ def cached_fractions(req, replicas: list) -> list:
             seq = probes[key] = Sequence(-1, req, 0, req.prompt_tokens)
         else:
             req.hash_root = hash_root(req, scheduler.global_prefix_scope)
-        _, tokens = kv.prefix_lookup(seq)
+        evicted = replica.blocks_evicted_in_run() \
+            if getattr(replica, "run_steps", None) is not None else None
+        if evicted:
+            tokens = _lookup_without(kv, seq, evicted)
+        else:
+            _, tokens = kv.prefix_lookup(seq)
         out.append(tokens / bs / full)
     return out
+
+
+def hashed_among_first_free(pool, count: int) -> set:
+    """The hashed blocks among the `count` that `pool.take(count)` would hand out next (the
+    free queue's first live entries), which taking them would drop from the index."""
+    out = set()
+    if not count or not pool.num_cached_free:
+        return out
+    queue = pool.free_queue
+    q, pos, block_hash = queue.q, queue.pos, pool.block_hash
+    i = queue.head
+    while count:
+        block = q[i]
+        if pos[block] == i:
+            count -= 1
+            if block_hash[block] is not None:
+                out.add(block)
+        i += 1
+    return out
+
+
+def _lookup_without(kv, seq, evicted: set) -> int:
+    """The tokens `kv.prefix_lookup(seq)` would hit once the blocks of `evicted` had left the
+    index: a hash whose oldest block is gone answers with its next oldest still there (the
+    index's rule for duplicates)."""
+    if not kv.enable_prefix_caching or seq.num_computed_tokens:
+        return 0
+    bs = kv.block_size
+    max_blocks = (seq.num_tokens - 1) // bs
+    hashes = extend_block_hashes(seq, max_blocks, bs)
+    cached, duplicates = kv.pool.cached, kv.pool.duplicates
+    hits = 0
+    for i in range(max_blocks):
+        block = cached.get(hashes[i])
+        if block is None:
+            break
+        if block in evicted and all(b in evicted for b in duplicates.get(hashes[i], ())):
+            break
+        hits += 1
+    return hits * bs
