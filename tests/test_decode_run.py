@@ -82,7 +82,8 @@ def test_every_bundled_scenario_gives_the_same_bytes_with_decode_runs(path):
             pytest.skip(f"shared trace absent: {exc}")
         raise
     count = assert_identical(scenario)
-    if scenario.cache.allocator == "paged":
+    # a model with KV cache groups plans every step on its own (simkv.engine.kv.groups)
+    if scenario.cache.allocator == "paged" and not scenario.model.is_hybrid:
         assert count.runs > 0, "no decode run was taken: the comparison would be vacuous"
 
 
