@@ -46,3 +46,12 @@ def test_the_command_ends_with_the_rate_to_plan_with(tiny, capsys):
     assert capacity_command(tiny, [], tolerance=0.05) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("plan with ") and "requests/s" in last
+
+
+def test_the_mean_interval_uses_students_t_for_any_number_of_workloads():
+    from simkv.whatif.capacity import confidence_interval
+    two = confidence_interval([10.0, 12.0])          # t(0.975, 1) = 12.706: 12.706 * sqrt(2)/sqrt(2)
+    assert (two["low"], two["high"]) == pytest.approx((11.0 - 12.7062, 11.0 + 12.7062), abs=1e-3)
+    many = confidence_interval([float(i % 2) for i in range(40)])   # t(0.975, 39) = 2.0227
+    half = 2.0227 * many["std"] / 40 ** 0.5
+    assert many["high"] - many["mean"] == pytest.approx(half, rel=1e-4)

@@ -41,10 +41,6 @@ MAX_HALVINGS = 10
 # confidence interval says where the average workload's capacity lies, not what a given day's
 # traffic will bear; planning needs a low quantile of the workloads themselves.
 PLANNING_QUANTILE = 0.1
-# two-sided 95% Student t quantiles for 1..30 degrees of freedom (no scipy dependency)
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,12 +293,13 @@ def planning_rate(rates: list[float], quantile: float = PLANNING_QUANTILE) -> fl
 def confidence_interval(rates: list[float]) -> dict:
     """95% Student t interval for the mean of `rates`, and their spread (`min`, `max`: the
     interval every workload's own rate lies in, the scenario's among them)."""
+    from scipy import stats
+
     values = np.asarray(rates, dtype=float)
     k = len(values)
     mean = float(values.mean())
     std = float(values.std(ddof=1)) if k > 1 else 0.0
-    t = T_975[k - 2] if 2 <= k <= 31 else 1.96
-    half = t * std / math.sqrt(k)
+    half = float(stats.t.ppf(0.975, k - 1)) * std / math.sqrt(k) if k > 1 else 0.0
     return {"level": 0.95, "low": mean - half, "high": mean + half, "mean": mean, "std": std,
             "min": float(values.min()), "max": float(values.max()),
             "replicates": [float(r) for r in rates]}
