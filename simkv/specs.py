@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 
 from simkv.errors import InputError, read_json_object, read_yaml_mapping
+from simkv.limits import RULES
 from simkv.weights import (Experts, LinearAttention, Quantization, Shape, Vision, layout,
                            tensor_bytes)
 
@@ -241,18 +242,26 @@ def _int(config: dict, key: str, path: Path, default=_MISSING, minimum: int = 1)
     value = _value(config, key, path, _MISSING)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or RULES["model.int"].problem(value):
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise InputError(f"{path}: field '{key}' must be {kind}, got {value!r}")
+        raise InputError(f"{path}: field '{key}' must be {kind}, got {value!r}"
+                         + _at_most(value, RULES["model.int"].high))
     return value
+
+
+def _at_most(value: Any, high: float) -> str:
+    """' (at most HIGH)' when a number is refused for being above the rule's bound."""
+    too_big = isinstance(value, (int, float)) and not isinstance(value, bool) and value > high
+    return f" (at most {high:,})" if too_big else ""
 
 
 def _number(config: dict, key: str, path: Path, default: float) -> float:
     """A finite positive number."""
     value = _value(config, key, path, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise InputError(f"{path}: field '{key}' must be a positive number, got {value!r}")
+    if RULES["model.number"].problem(value):
+        raise InputError(f"{path}: field '{key}' must be a positive number, got {value!r}"
+                         + _at_most(value, RULES["model.number"].high))
     return float(value)
 
 

@@ -191,15 +191,15 @@ def test_unknown_top_level_key_is_rejected():
 
 
 @pytest.mark.parametrize("key, value, expected", [
-    ("block_size", 0, "not a positive power of two"),
+    ("block_size", 0, "0 is not in [1, 1,024]"),
     ("block_size", 24, "not a positive power of two"),
     ("gpu_memory_utilization", 0.0, "is not in (0, 1]"),
     ("gpu_memory_utilization", 1.5, "is not in (0, 1]"),
     ("watermark", 1.0, "is not in [0, 1)"),
     ("watermark", -0.1, "is not in [0, 1)"),
-    ("memory_budget_gib", 0, "must be > 0"),
-    ("swap_space_gib", -1, "must be >= 0"),
-    ("num_gpu_blocks_override", 0, "must be > 0"),
+    ("memory_budget_gib", 0, "0 is not in (0, 4,096]"),
+    ("swap_space_gib", -1, "-1 is not in [0, 4,096]"),
+    ("num_gpu_blocks_override", 0, "0 is not in [1, 8,388,608]"),
     ("kv_dtype", "fp16", "'fp16' is not one of bf16, fp8"),
     ("allocator", "buddy", "'buddy' is not one of paged, contiguous"),
     ("preemption_mode", "kill", "'kill' is not one of recompute, swap"),
@@ -214,10 +214,10 @@ def test_cache_values_out_of_range_or_of_the_wrong_type_are_rejected(key, value,
 
 
 @pytest.mark.parametrize("key, value, expected", [
-    ("max_num_seqs", 0, "must be > 0"),
-    ("max_num_batched_tokens", -5, "must be > 0"),
-    ("max_model_len", 0, "must be > 0"),
-    ("long_prefill_token_threshold", -1, "must be >= 0"),
+    ("max_num_seqs", 0, "0 is not in [1, 65,536]"),
+    ("max_num_batched_tokens", -5, "-5 is not in [1, 16,777,216]"),
+    ("max_model_len", 0, "0 is not in [1, 16,777,216]"),
+    ("long_prefill_token_threshold", -1, "-1 is not in [0, 16,777,216]"),
     ("preemption_policy", "oldest", "is not one of recent, priority"),
 ])
 def test_scheduler_values_out_of_range_are_rejected(key, value, expected):
@@ -266,7 +266,7 @@ def test_other_slo_keys_are_rejected(key):
 
 
 def test_slo_values_must_be_positive_seconds():
-    assert "slo.ttft_s: expected a positive number of seconds, got -1" in error_of(
+    assert "slo.ttft_s: -1 is not in (0, 1,000,000,000]" in error_of(
         minimal(slo={"ttft_s": -1}))
 
 

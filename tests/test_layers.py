@@ -14,10 +14,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "simkv"
 
-BASE = {"errors", "_version", "semantics", "kv_geometry"}
+BASE = {"errors", "_version", "semantics", "kv_geometry", "limits"}
 # package (first component under simkv) -> the packages it may import besides itself
 ALLOWED = {
     "errors": set(),
+    "limits": {"errors"},         # the numeric rules every input is checked against
     "_version": set(),
     "semantics": set(),
     "kv_geometry": set(),         # how layers share the KV pool (vLLM's groups), from a spec

@@ -336,10 +336,10 @@ def test_a_turn_keeps_its_conversations_tenant_and_system_prompt():
 
 @pytest.mark.parametrize("conversation,expected", [
     ({"turns": 2, "new_tokens": 5}, "conversation.think_time_s is required"),
-    ({"turns": 2, "new_tokens": 5, "think_time_s": -1}, "think_time_s must be a number >= 0"),
+    ({"turns": 2, "new_tokens": 5, "think_time_s": -1}, "think_time_s: -1 is not in"),
     ({"turns": 2, "new_tokens": 5, "think_time_s": {"dist": "gamma"}},
      "think_time_s.dist must be one of fixed, uniform, exponential, lognormal"),
-    ({"turns": 0, "new_tokens": 5, "think_time_s": 1}, "conversation.turns must be an integer"),
+    ({"turns": 0, "new_tokens": 5, "think_time_s": 1}, "conversation.turns: 0 is not in"),
     ({"turns": 2, "new_tokens": 5, "think_time_s": 1, "users": 3}, "conversation.users: unknown"),
     (3, "conversation must be a mapping"),
 ])

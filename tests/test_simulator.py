@@ -79,8 +79,7 @@ def test_mooncake_trace_with_prefix_caching_reports_hits():
 def test_prefix_hits_approach_the_traces_reuse_when_the_cache_is_unbounded():
     # 64% of the trace's prompt blocks repeat an earlier prefix (traces/README.md); with a pool
     # large enough never to evict, the hit ratio at block 512 must come close to that.
-    scn = trace_scenario(MOONCAKE, block_size=512, num_gpu_blocks_override=200_000,
-                         memory_budget_gib=2000)
+    scn = trace_scenario(MOONCAKE, block_size=512, num_gpu_blocks_override=200_000)
     scn["workload"]["time_scale"] = 20
     res = simulate(simkv.load_scenario(scn))
     assert res.summary["prefix_cache_hit_ratio"] == pytest.approx(0.64, abs=0.02)

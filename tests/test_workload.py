@@ -222,7 +222,7 @@ def test_tenants_are_assigned_uniformly():
 BAD_SPECS = [
     (spec(colour="red"), "workload.synthetic.colour: unknown key"),
     ({**spec(), "duration_s": 10}, "exactly one of num_requests or duration_s"),
-    (spec(num_requests=0), "workload.synthetic.num_requests must be an integer >= 1"),
+    (spec(num_requests=0), "workload.synthetic.num_requests: 0 is not in [1, 1,000,000]"),
     (spec(arrival={"process": "weibull", "rate": 1}), "workload.synthetic.arrival.process"),
     (spec(arrival={"process": "poisson", "rate": -1}), "workload.synthetic.arrival.rate"),
     (spec(arrival={"process": "gamma", "rate": 1}), "workload.synthetic.arrival.cv is required"),
@@ -241,8 +241,8 @@ BAD_SPECS = [
      "workload.synthetic.shared_prefix.fraction"),
     (spec(shared_prefix={"num_groups": 2, "fraction": 0.5}),
      "workload.synthetic.shared_prefix.prefix_tokens is required"),
-    (spec(n=0), "workload.synthetic.n must be"),
-    (spec(n=True), "workload.synthetic.n must be"),
+    (spec(n=0), "workload.synthetic.n: 0 is not in [1, 1,024]"),
+    (spec(n=True), "workload.synthetic.n: expected an integer"),
     (spec(cancel_fraction=-0.1), "workload.synthetic.cancel_fraction"),
     (spec(tenants=0.5), "workload.synthetic.tenants"),
 ]

@@ -123,6 +123,22 @@ def flag(name: str, value: Any) -> list[str]:
     return [] if value is None else [name, str(value)]
 
 
+def print_warnings(summary: dict[str, Any]) -> None:
+    """The run's `warnings` (what was changed in the input instead of refused), one
+    `warning: ...` line each on stderr."""
+    import sys
+
+    for line in summary.get("warnings") or []:
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def show_progress() -> bool:
+    """Progress bars only on a terminal (stderr), never into a pipe or a log."""
+    import sys
+
+    return sys.stderr.isatty()
+
+
 def print_summary(summary: dict[str, Any], title: str) -> None:
     """A run's summary as two tables: the scalars, then the {mean,p50,p90,p99} families."""
     from rich.table import Table
@@ -135,7 +151,8 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
     for stat in ("mean", "p50", "p90", "p99"):
         latencies.add_column(stat, justify="right")
     for key, value in summary.items():
-        if key == "provenance":      # its caveats are printed after the tables (print_caveats)
+        if key in ("provenance", "warnings"):   # provenance: its caveats after the tables
+            # (print_caveats); warnings: on stderr (print_warnings)
             continue
         if isinstance(value, dict):
             latencies.add_row(key, *(fmt(value.get(s)) for s in ("mean", "p50", "p90", "p99")))

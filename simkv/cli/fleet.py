@@ -71,8 +71,12 @@ def fleet(
     from simkv.config.scenario import load_scenario, parse_set
     from simkv.errors import InputError
 
+    from simkv.limits import check_number
+
     if backend not in ("local", "dask"):
         raise InputError(f"--backend: {backend!r} is not one of local, dask")
+    check_number(rate, "--rate", "--rate")
+    check_number(gpu_budget, "--gpu-budget", "--gpu-budget")
     find = require("simkv.whatif.fleet", "find_fleet", "fleet")
     from simkv.whatif.fleet import parse_gpu_prices
 

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from simkv.cli.common import GIB, MIB, console, print_json, print_summary, require
+from simkv.cli.common import (GIB, MIB, console, print_json, print_summary, print_warnings,
+                              require, show_progress)
 from simkv.errors import InputError
 
 
@@ -45,30 +46,38 @@ def size(
     from simkv.specs import (KV_DTYPE_ALIASES, KV_DTYPE_BYTES, kv_dtype_name, load_gpu,
                              load_model)
 
-    if block_size <= 0 or block_size & (block_size - 1):
+    from simkv.limits import budget_problem, check_number
+
+    check_number(block_size, "cache.block_size", "--block-size")
+    if block_size & (block_size - 1):
         raise InputError(f"--block-size: {block_size} is not a positive power of two (8, 16, 32, ...)")
     kv_dtype = kv_dtype_name(kv_dtype)          # vLLM's names too (fp8_e4m3, auto)
     if kv_dtype not in KV_DTYPE_BYTES:
         raise InputError(f"--kv-dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPE_BYTES)} "
                          f"(or vLLM's {', '.join(KV_DTYPE_ALIASES)})")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise InputError(f"--gpu-memory-utilization: {gpu_memory_utilization} is not in (0, 1]")
-    if memory_budget_gib is not None and memory_budget_gib <= 0:
-        raise InputError(f"--memory-budget-gib: must be > 0, got {memory_budget_gib}")
-    if (max_num_batched_tokens is not None and max_num_batched_tokens <= 0) \
-            or (max_num_seqs is not None and max_num_seqs <= 0):
-        raise InputError("--max-num-batched-tokens and --max-num-seqs must be > 0")
+    check_number(gpu_memory_utilization, "cache.gpu_memory_utilization",
+                 "--gpu-memory-utilization")
+    if memory_budget_gib is not None:
+        check_number(memory_budget_gib, "cache.memory_budget_gib", "--memory-budget-gib")
+    if max_num_batched_tokens is not None:
+        check_number(max_num_batched_tokens, "scheduler.max_num_batched_tokens",
+                     "--max-num-batched-tokens")
+    if max_num_seqs is not None:
+        check_number(max_num_seqs, "scheduler.max_num_seqs", "--max-num-seqs")
     if semantics not in rules.SEMANTICS:
         raise InputError(f"--semantics: {semantics!r} is not one of {', '.join(rules.SEMANTICS)}")
 
     cache = CacheConfig(block_size=block_size, kv_dtype=kv_dtype,
                         gpu_memory_utilization=gpu_memory_utilization,
                         memory_budget_gib=memory_budget_gib)
-    if max_model_len is not None and max_model_len <= 0:
-        raise InputError(f"--max-model-len: must be > 0, got {max_model_len}")
+    if max_model_len is not None:
+        check_number(max_model_len, "scheduler.max_model_len", "--max-model-len")
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len)
     gpu_spec = load_gpu(gpu)
+    problem = budget_problem(memory_budget_gib, gpu_spec.name, gpu_spec.memory_bytes)
+    if problem:
+        raise InputError(f"--memory-budget-gib: {problem}")
     rules.resolve(semantics, cache, scheduler, gpu_spec)
     from simkv import parallel
     spec = load_model(model, weights_dtype=weights_dtype)
@@ -188,13 +197,15 @@ def run(
                       if v is not None})
     scn = load_scenario(scenario, overrides)
     simulate = require("simkv.sim.engine", "simulate", "run")
-    result = simulate(scn, progress=not as_json, step_terms=step_terms, exact=exact)
+    result = simulate(scn, progress=not as_json and show_progress(), step_terms=step_terms,
+                      exact=exact)
     out_dir = out if out is not None else default_out_dir(scn.name, result.provenance)
     result.write(out_dir)
     if "vllm" in export:
         import json
         from simkv.engine.results import atomic_write_text
         atomic_write_text(out_dir / EXPORTS["vllm"], json.dumps(result.vllm_bench(), indent=2) + "\n")
+    print_warnings(result.summary)
     if as_json:
         print_json(result.summary_json())
         return
@@ -232,6 +243,9 @@ def explain(
 ) -> None:
     """One simulated step: its plan and the cost model's terms, which sum to its seconds."""
     from simkv.config.scenario import load_scenario
+    from simkv.limits import check_number
+
+    check_number(step, "--step", "--step")
 
     scn = load_scenario(scenario, _run_overrides(set_, None, None))
     explain_step = require("simkv.sim.explain", "explain_step", "explain")

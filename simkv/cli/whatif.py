@@ -42,6 +42,10 @@ def capacity(
 ) -> int:
     """Highest request rate (by scaling inter-arrival times) that meets every SLO, and the
     rate to plan with."""
+    from simkv.limits import check_number
+
+    check_number(replicates, "--replicates", "--replicates")
+    check_number(tolerance, "--tolerance", "--tolerance")
     capacity_command = require("simkv.whatif.commands", "capacity_command", "capacity")
     return capacity_command(scenario, set_, replicates=replicates, tolerance=tolerance,
                             as_json=as_json, resample=resample)

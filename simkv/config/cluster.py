@@ -154,18 +154,9 @@ def load_cluster(raw: dict, v, source: str, load_pool) -> Optional[ClusterConfig
 
 
 def _typed(v, key: str, value: Any, types: dict, name: str):
-    kind, optional = types[name]
-    if value is None:
-        if optional:
-            return None
-        v.fail(key, "expected a value, got null")
-    ok = {int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str)}[kind]
-    if not ok:
-        v.fail(key, f"expected {'an integer' if kind is int else 'a number' if kind is float else 'a string'}"
-                    f", got {value!r}")
-    return float(value) if kind is float else value
+    """`value` of the cluster key `key` checked as the scenario's keys are (Validator.typed:
+    its type, and a number against its rule in simkv.limits)."""
+    return v.typed(key, value, types[name])
 
 
 def _router(v, section) -> RouterConfig:
@@ -181,16 +172,6 @@ def _router(v, section) -> RouterConfig:
     router = RouterConfig(**values)
     if router.policy not in POLICIES:
         v.fail("cluster.router.policy", f"{router.policy!r} is not one of {', '.join(POLICIES)}")
-    for name in ("refresh_s", "prefix_weight", "queue_weight", "kv_weight"):
-        if getattr(router, name) < 0:
-            v.fail(f"cluster.router.{name}", f"must be >= 0, got {getattr(router, name)}")
-    if router.prefix_blocks < 1:
-        v.fail("cluster.router.prefix_blocks", f"must be >= 1, got {router.prefix_blocks}")
-    if router.virtual_nodes < 1:
-        v.fail("cluster.router.virtual_nodes", f"must be >= 1, got {router.virtual_nodes}")
-    if router.load_factor < 1:
-        v.fail("cluster.router.load_factor", f"must be >= 1 (1: perfectly even loads), got "
-                                             f"{router.load_factor}")
     return router
 
 
@@ -214,8 +195,6 @@ def _pool(v, i: int, entry, base: dict, source: str, load_pool) -> PoolConfig:
     if "replicas" not in entry:
         v.fail(f"{where}.replicas", "missing (how many replicas the pool has, >= 1)")
     replicas = _typed(v, f"{where}.replicas", entry["replicas"], POOL_TYPES, "replicas")
-    if replicas < 1:
-        v.fail(f"{where}.replicas", f"must be >= 1, got {replicas} (leave the pool out instead)")
     role = _typed(v, f"{where}.role", entry.get("role", "mixed"), POOL_TYPES, "role")
     if role not in ROLES:
         v.fail(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
@@ -252,14 +231,9 @@ def _link(v, section) -> Optional[LinkConfig]:
                    f"with cluster.kv_transfer.link ({', '.join(read_links())})")
         link = LinkConfig("custom", 0.0, 0.0)
     if values.get("bandwidth_gbps") is not None:
-        if values["bandwidth_gbps"] <= 0:
-            v.fail("cluster.kv_transfer.bandwidth_gbps",
-                   f"must be > 0, got {values['bandwidth_gbps']}")
         link.bandwidth_bytes_per_s = values["bandwidth_gbps"] * GBPS
         link.sources["bandwidth_bytes_per_s"] = "the scenario's cluster.kv_transfer"
     if values.get("latency_s") is not None:
-        if values["latency_s"] < 0:
-            v.fail("cluster.kv_transfer.latency_s", f"must be >= 0, got {values['latency_s']}")
         link.latency_s = values["latency_s"]
         link.sources["latency_s"] = "the scenario's cluster.kv_transfer"
     return link

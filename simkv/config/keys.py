@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
-from simkv.errors import InputError
+from simkv.errors import InputError, strict_yaml
 
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "workload": WorkloadConfig}
 TOP_LEVEL_TYPES: dict[str, tuple[type, bool]] = {
@@ -173,7 +173,7 @@ def convert(text: str, key: str, where: str) -> Any:
         kind, optional = cluster_key_type(key)
     else:  # free-form (workload.synthetic...): read the value as YAML
         try:
-            return yaml.safe_load(text)
+            return strict_yaml(text)
         except yaml.YAMLError:
             return text
     lowered = text.strip().lower()
@@ -191,12 +191,12 @@ def convert(text: str, key: str, where: str) -> Any:
         if kind is float:
             return float(text)
         if kind is dict:
-            value = yaml.safe_load(text)
+            value = strict_yaml(text)
             if not isinstance(value, dict):
                 raise ValueError
             return value
         if kind is list:      # [a, b], [] or a,b
-            value = yaml.safe_load(text)
+            value = strict_yaml(text)
             if isinstance(value, str):
                 value = [part.strip() for part in value.split(",") if part.strip()]
             if value is None:

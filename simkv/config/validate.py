@@ -1,5 +1,6 @@
-"""Checking a scenario's values: types, ranges, choices, the workload source and the limits the
-model sets. Every problem is an InputError naming the file (or --set) and the dotted key."""
+"""Checking a scenario's values: types, ranges (every number by the table of simkv.limits),
+choices, the workload source and the limits the model and the GPU set. Every problem is an
+InputError naming the file (or --set) and the dotted key."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,7 @@ from typing import Any
 from simkv.config.keys import KEY_TYPES, SECTIONS, check_key, type_name
 from simkv.config.sections import CacheConfig, SchedulerConfig, WorkloadConfig
 from simkv.errors import InputError
+from simkv.limits import budget_problem, rule_for
 from simkv.specs import KV_DTYPE_ALIASES, kv_dtype_name
 
 CHOICES = {
@@ -61,9 +63,10 @@ class Validator:
             else:
                 check_key(str(key), self.source)
 
-    def typed(self, key: str, value: Any) -> Any:
-        """`value` checked against the type of `key` (ints are accepted as floats)."""
-        kind, optional = KEY_TYPES[key]
+    def typed(self, key: str, value: Any, kind_optional: tuple | None = None) -> Any:
+        """`value` checked against the type of `key` (ints are accepted as floats) and, for a
+        number, against its rule in simkv.limits (finite, integral, in range)."""
+        kind, optional = kind_optional or KEY_TYPES[key]
         if value is None:
             if optional:
                 return None
@@ -78,20 +81,28 @@ class Validator:
             list: isinstance(value, list),
         }[kind]
         if not ok:
-            self.fail(key, f"expected {type_name(kind)}, got {value!r}")
-        return float(value) if kind is float else value
+            hint = ""
+            if kind in (int, float) and isinstance(value, str):
+                hint = rule_for(key).problem(value).rpartition(value.__repr__())[2]
+            self.fail(key, f"expected {type_name(kind)}, got {value!r}{hint}")
+        if kind in (int, float):
+            return self.number(key, value)
+        return value
+
+    def number(self, key: str, value: Any) -> Any:
+        """`value` checked against the rule of `key` (simkv.limits.RULES), as int or float."""
+        rule = rule_for(key)
+        if rule is None:
+            raise AssertionError(f"{key}: a numeric key without a rule in simkv.limits.RULES")
+        problem = rule.problem(value)
+        if problem is not None:
+            self.fail(key, problem)
+        return int(value) if rule.kind is int else float(value)
 
     def section(self, name: str, raw: dict[str, Any]) -> Any:
         cls = SECTIONS[name]
         values = raw.get(name) or {}
         return cls(**{k: self.typed(f"{name}.{k}", v) for k, v in values.items()})
-
-    def positive(self, key: str, value: Any, allow_zero: bool = False) -> None:
-        if value is None:
-            return
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            self.fail(key, f"must be {bound}, got {value}")
 
     def choice(self, key: str, value: str) -> None:
         if value not in CHOICES[key]:
@@ -113,34 +124,16 @@ def looks_like_path(text: str) -> bool:
 
 def check_ranges(v: Validator, cache: CacheConfig, scheduler: SchedulerConfig,
                   workload: WorkloadConfig, seed: int) -> None:
-    """Values out of range or not among their choices."""
-    if cache.block_size <= 0 or cache.block_size & (cache.block_size - 1):
+    """Values not among their choices, and the rules between keys (each number alone was
+    checked against simkv.limits as it was read: `Validator.typed`)."""
+    if cache.block_size & (cache.block_size - 1):
         v.fail("cache.block_size", f"{cache.block_size} is not a positive power of two (8, 16, 32, ...)")
-    if not 0 < cache.gpu_memory_utilization <= 1:
-        v.fail("cache.gpu_memory_utilization", f"{cache.gpu_memory_utilization} is not in (0, 1]")
-    if not 0 <= cache.watermark < 1:
-        v.fail("cache.watermark", f"{cache.watermark} is not in [0, 1)")
-    v.positive("cache.memory_budget_gib", cache.memory_budget_gib)
-    v.positive("cache.swap_space_gib", cache.swap_space_gib, allow_zero=True)
-    v.positive("cache.num_gpu_blocks_override", cache.num_gpu_blocks_override)
     if cache.preemption_mode == "swap" and cache.swap_space_gib == 0:
         v.fail("cache.swap_space_gib", "must be > 0 when cache.preemption_mode is swap")
-    v.positive("scheduler.max_num_seqs", scheduler.max_num_seqs)
-    v.positive("scheduler.max_num_batched_tokens", scheduler.max_num_batched_tokens)
-    v.positive("scheduler.long_prefill_token_threshold", scheduler.long_prefill_token_threshold,
-               allow_zero=True)
-    v.positive("scheduler.max_model_len", scheduler.max_model_len)
-    v.positive("scheduler.max_loras", scheduler.max_loras)
-    v.positive("workload.time_scale", workload.time_scale)
-    v.positive("workload.limit", workload.limit)
-    v.positive("workload.offset", workload.offset, allow_zero=True)
-    v.positive("workload.prompt_scale", workload.prompt_scale)
-    v.positive("workload.output_scale", workload.output_scale)
     if workload.model_filter is not None and (
             not workload.model_filter or not all(isinstance(m, str) for m in workload.model_filter)):
         v.fail("workload.model_filter", "must be a non-empty list of BurstGPT Model names, e.g. "
                                         "[ChatGPT]")
-    v.positive("seed", seed, allow_zero=True)
     cache.kv_dtype = kv_dtype_name(cache.kv_dtype)      # vLLM's names too (fp8_e4m3, auto)
     sections = {"cache": cache, "scheduler": scheduler, "workload": workload}
     for key in CHOICES:
@@ -189,3 +182,11 @@ def check_against_model(v: Validator, scheduler: SchedulerConfig, model: Any) ->
                "be scheduled (enable chunked prefill or lower scheduler.max_model_len)")
 
 
+
+
+def check_hardware(v: Validator, cache: CacheConfig, gpu: Any) -> None:
+    """A budget is at most the GPU's memory (per GPU). (The pool's blocks are bounded where
+    a pool is built: simkv.engine.build.)"""
+    problem = budget_problem(cache.memory_budget_gib, gpu.name, gpu.memory_bytes)
+    if problem:
+        v.fail("cache.memory_budget_gib", problem)

@@ -1,5 +1,5 @@
 """Reading a scenario YAML file: a mapping of scenario keys, or an InputError naming the file
-and, for bad YAML, the line and column."""
+and, for bad YAML (a key given twice included), the line and column."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,19 +7,20 @@ from typing import Any
 
 import yaml
 
-from simkv.errors import InputError
+from simkv.errors import InputError, read_text, strict_yaml
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """The scenario file at `path` as a dict (InputError: missing, not YAML, not a mapping)."""
+    """The scenario file at `path` as a dict (InputError: missing, not UTF-8, not YAML, a key
+    given twice, not a mapping)."""
     try:
-        text = path.read_text()
+        text = read_text(path, "scenario")
     except FileNotFoundError:
         raise InputError(f"{path}: no such scenario file") from None
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, expected a scenario YAML file") from None
     try:
-        data = yaml.safe_load(text)
+        data = strict_yaml(text)
     except yaml.YAMLError as e:
         raise InputError(f"{path}: bad YAML{yaml_problem(e)}") from None
     if data is None:

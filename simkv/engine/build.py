@@ -8,12 +8,16 @@ from simkv.engine.kv.contiguous import ContiguousKVCacheManager
 from simkv.engine.kv.groups import HybridKVCacheManager
 from simkv.engine.kv.paged import PagedKVCacheManager
 from simkv.engine.scheduler import Scheduler
+from simkv.errors import InputError
+from simkv.limits import blocks_problem
 from simkv.sizing import size_scenario
+
 
 def build_kv_manager(scenario, sizing=None):
     """The KV manager the scenario asks for, sized by `size_scenario` (or the override)."""
     cache, sched = scenario.cache, scenario.scheduler
     sizing = sizing or size_scenario(scenario)
+    _check_blocks(scenario, sizing)
     if cache.allocator == "contiguous":
         return ContiguousKVCacheManager(sizing.num_blocks, cache.block_size, sched.max_model_len,
                                         watermark=cache.watermark,
@@ -55,3 +59,16 @@ def build_scheduler(scenario):
         max_loras=sched.max_loras,
     )
     return scheduler, sizing
+
+
+def _check_blocks(scenario, sizing) -> None:
+    """InputError when a pool has more blocks than the simulator holds (simkv.limits)."""
+    cache = scenario.cache
+    where = getattr(scenario, "path", None) or "<scenario>"
+    for num_blocks, what, key in (
+            (sizing.num_blocks, "KV pool", "cache.num_gpu_blocks_override"
+             if cache.num_gpu_blocks_override is not None else "cache.block_size"),
+            (sizing.num_host_blocks, "host swap space", "cache.swap_space_gib")):
+        problem = blocks_problem(num_blocks, what)
+        if problem:
+            raise InputError(f"{where}: {key}: {problem}")

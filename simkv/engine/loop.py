@@ -40,6 +40,7 @@ import math
 from typing import Protocol
 
 from simkv.engine.decode_run import RunAttempts, decode_run
+from simkv.errors import InputError
 
 NOW = "now"
 IDLE = "idle"
@@ -146,6 +147,39 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
         if on_step is not None:
             on_step(plan, end)
         now = end
+
+
+class StepGuard:
+    """A bound on the delays a driver lets pass, derived from the workload and not from the
+    wall clock: each must be a finite number of seconds >= 0, and a run takes at most
+    `max_delays` of them (each is a step, or a hop of a decode run), STEPS_PER_TOKEN per
+    token of work the requests ask for (prompt + output, times n) plus STEPS_PER_REQUEST per
+    request. A step computes at least one token, so only recomputation after preemptions
+    takes a valid run past one step per token; a run past the bound makes no progress
+    (tests/test_bad_input.py::test_a_loop_that_makes_no_progress_stops_with_one_error)."""
+
+    STEPS_PER_TOKEN = 64
+    STEPS_PER_REQUEST = 64
+    BASE = 10_000
+
+    def __init__(self, requests, source: str):
+        work = sum(r.n * (r.prompt_tokens + r.output_tokens) for r in requests)
+        self.max_delays = self.STEPS_PER_TOKEN * work + self.STEPS_PER_REQUEST * len(requests) \
+            + self.BASE
+        self.delays = 0
+        self.source = source
+
+    def check(self, seconds) -> None:
+        """Raise InputError for a delay that is not finite and >= 0, or one past the bound."""
+        self.delays += 1
+        if not 0.0 <= seconds < math.inf:
+            raise InputError(f"{self.source}: step {self.delays}: the cost model predicts "
+                             f"{seconds!r} s; a step takes a finite number of seconds >= 0 "
+                             "(check the cost model and cost_model.step_time_scale)")
+        if self.delays > self.max_delays:
+            raise InputError(f"{self.source}: the run passed {self.max_delays:,} steps, the "
+                             "bound for this workload (64 per token of work and per "
+                             "request): the scheduler is making no progress")
 
 
 def hops(ends: list) -> list:

@@ -321,6 +321,7 @@ def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, s
         "swap_fallbacks": int(scheduler.num_swap_fallbacks),
         "prefix_cache_hit_ratio": (total_cached / total_prompt_queried
                                    if total_prompt_queried else 0.0),
+        **hit_ratio_split(scheduler.done, total_cached, total_prompt_queried),
         "cached_tokens": int(total_cached),
         "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
         "cow_copies": int(kv.num_cow_copies),
@@ -340,8 +341,39 @@ def summarize(recorder: MetricsRecorder, scheduler, requests: pd.DataFrame, *, s
                 kv.kinds, kv.num_layers, recorder.group_block_s, recorder.group_peak))]
     if hasattr(kv, "external_fragmentation"):
         summary["external_fragmentation_end"] = kv.external_fragmentation()
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in summary.items()}
+
+
+def hit_ratio_split(done, cached: int, queried: int) -> dict:
+    """`prefix_cache_hit_ratio` (cached / queried prompt tokens, every admission) in two parts
+    that sum to it, over the same denominator: `prefix_cache_self_rehit_ratio`, the tokens a
+    request re-admitted after a preemption hit beyond what it hit at its first admission (its
+    own blocks, back again), and `prefix_cache_cross_request_hit_ratio`, the rest (reuse of
+    other requests' blocks). From two per-request counters the scheduler keeps."""
+    rehit = sum(r.self_rehit_tokens for r in done)
+    if not queried:
+        return {"prefix_cache_cross_request_hit_ratio": 0.0,
+                "prefix_cache_self_rehit_ratio": 0.0}
+    return {"prefix_cache_cross_request_hit_ratio": (cached - rehit) / queried,
+            "prefix_cache_self_rehit_ratio": rehit / queried}
+
+
+def add_input_notes(summary: dict, frame) -> dict:
+    """Append to a summary what became of the input on the way in: `requests_dropped` (trace
+    rows left out, e.g. 0-token rows; `requests_total` counts the kept ones) and `warnings`,
+    one line with its count for each change made instead of a refusal (rows dropped, arrivals
+    re-sorted, outputs capped at max_model_len). Returns the summary."""
+    dropped = {str(k): int(v) for k, v in frame.attrs.get("dropped", {}).items()}
+    warnings = [f"dropped {n:,} trace row(s): {reason}" for reason, n in dropped.items()]
+    warnings += [str(w) for w in frame.attrs.get("warnings", [])]
+    capped = summary.get("requests_capped") or 0
+    if capped:
+        warnings.append(f"{capped:,} request(s) asked for more output than max_model_len "
+                        "leaves them; their outputs were capped")
+    summary["requests_dropped"] = sum(dropped.values())
+    summary["warnings"] = warnings
+    return summary
 
 
 def _samples(scheduler, completed: pd.DataFrame) -> np.ndarray:

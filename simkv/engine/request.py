@@ -83,6 +83,8 @@ class Request:
     num_preemptions: int = 0
     cached_tokens: int = 0            # prompt tokens served from the prefix cache, all admissions
     queried_tokens: int = 0           # tokens looked up in the prefix cache, all admissions
+    first_hit_tokens: int = -1        # cached tokens at its first admission (-1: not yet)
+    self_rehit_tokens: int = 0        # cached tokens at re-admissions beyond first_hit_tokens
     lost_tokens: int = 0              # computed tokens discarded by recompute preemption
     recomputed_tokens: int = 0        # discarded tokens computed again (not re-hit in the cache)
     reason: str = ""                  # why rejected

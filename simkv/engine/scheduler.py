@@ -316,6 +316,11 @@ class Scheduler:
             for seq, cached_tokens in admitted:
                 req.cached_tokens += cached_tokens
                 req.queried_tokens += seq.num_tokens
+            hit = sum(c for _, c in admitted)
+            if req.first_hit_tokens < 0:
+                req.first_hit_tokens = hit
+            elif hit > req.first_hit_tokens:    # its own blocks, back after a preemption
+                req.self_rehit_tokens += hit - req.first_hit_tokens
             if req.lost_tokens:
                 req.recomputed_tokens += max(0, req.lost_tokens - sum(c for _, c in admitted))
                 req.lost_tokens = 0
@@ -444,7 +449,8 @@ class Scheduler:
                               if c.admitted_s == c.admitted_s), default=math.nan)
         req.finish_s = max(c.finish_s for c in children)
         req.output_tokens = sum(seq.num_output_tokens for c in children for seq in c.all_seqs)
-        for name in ("num_preemptions", "cached_tokens", "queried_tokens", "recomputed_tokens"):
+        for name in ("num_preemptions", "cached_tokens", "queried_tokens", "recomputed_tokens",
+                     "self_rehit_tokens"):
             setattr(req, name, sum(getattr(c, name) for c in children))
         tpots = [(c.finish_s - c.first_token_s) / (c.output_tokens - 1) for c in children
                  if c.status == RequestStatus.COMPLETED and c.output_tokens > 1]

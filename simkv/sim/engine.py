@@ -17,8 +17,8 @@ import simpy
 
 from simkv.costmodel import load_cost_model
 from simkv.engine.build import build_scheduler
-from simkv.engine.loop import HORIZON, IDLE, NOW, serve
-from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.engine.loop import HORIZON, IDLE, NOW, StepGuard, serve
+from simkv.engine.metrics import MetricsRecorder, add_input_notes, requests_frame, summarize
 from simkv.engine.results import write_results
 from simkv.sim.executor import CostModelExecutor
 from simkv.sim.provenance import provenance
@@ -92,6 +92,7 @@ class Simulation:
         self._wake = None
         self._arrivals_done = False
         self._served_s = None        # when the last request became final
+        self._guard = None
 
     def _arrivals(self, requests):
         env = self.env
@@ -118,6 +119,7 @@ class Simulation:
     def _drive(self, loop):
         """Run the serving loop on the SimPy clock (simkv.engine.loop's protocol)."""
         env = self.env
+        check = self._guard.check
         command = next(loop)
         while True:
             if command is NOW:
@@ -134,6 +136,7 @@ class Simulation:
                 self._wake = None
                 reply = env.now
             else:
+                check(command)
                 yield env.timeout(command)
                 reply = env.now
             command = loop.send(reply)
@@ -142,6 +145,7 @@ class Simulation:
         wall_start = time.perf_counter()
         executor = self.executor
         requests = requests_from_frame(self.frame)
+        self._guard = StepGuard(requests, str(self.scenario.path or self.scenario.name))
         horizon = requests[-1].arrival_s if requests else 0.0
         self.env.process(self._arrivals(requests))
         progress_ctx = _progress_bar(self.progress, horizon, self.scenario.name)
@@ -166,6 +170,7 @@ class Simulation:
                             slo=self.scenario.slo, cost_model=self.cost_model.name,
                             block_size=self.scenario.cache.block_size)
         summary["wall_time_s"] = time.perf_counter() - wall_start
+        add_input_notes(summary, self.frame)
         extra = {"sizing": self.sizing.to_dict() if hasattr(self.sizing, "to_dict") else {},
                  "dropped": dict(self.frame.attrs.get("dropped", {})),
                  "warnings": list(self.frame.attrs.get("warnings", [])),

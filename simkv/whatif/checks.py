@@ -24,7 +24,9 @@ from typing import Any
 import yaml
 
 from simkv.config.scenario import load_scenario, with_overrides
-from simkv.errors import InputError
+from simkv.config.yaml_file import yaml_problem
+from simkv.errors import InputError, read_text, strict_yaml
+from simkv.limits import RULES
 from simkv.whatif.sweep import flatten_summary
 
 OPERATORS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt,
@@ -98,11 +100,15 @@ def parse_expectation(key: str, text: Any, where: str) -> Expectation:
                              f"{', '.join(OPERATORS)} (e.g. '<= 0.5')")
         op = match.group(1)
         try:
-            bound = yaml.safe_load(match.group(2))
+            bound = strict_yaml(match.group(2))
         except yaml.YAMLError:
             bound = match.group(2)
     if op in ORDERING and not _is_number(bound):
         raise InputError(f"{where}: expect {key}: {op} needs a number, got {bound!r}")
+    if _is_number(bound) and RULES["check.bound"].problem(bound):
+        # a NaN bound holds for nothing (or, with !=, everything); an infinite one says nothing
+        raise InputError(f"{where}: expect {key}: the bound must be a finite number, got "
+                         f"{bound!r}")
     if isinstance(bound, (dict, list)) or bound is None:
         raise InputError(f"{where}: expect {key}: the bound must be a number or a word, "
                          f"got {bound!r}")
@@ -113,13 +119,13 @@ def load_checks(path: str | Path) -> list[Check]:
     """Parse and validate a checks file; every scenario is loaded (not run). Raises InputError."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = strict_yaml(read_text(path, "checks file"))
     except FileNotFoundError:
         raise InputError(f"{path}: no such checks file") from None
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, expected a checks YAML file") from None
     except yaml.YAMLError as e:
-        raise InputError(f"{path}: bad YAML: {' '.join(str(e).split())}") from None
+        raise InputError(f"{path}: bad YAML{yaml_problem(e)}") from None
     if not isinstance(data, dict) or not isinstance(data.get("checks"), list) \
             or not data["checks"]:
         raise InputError(f"{path}: expected a mapping with a non-empty list under 'checks:' "

@@ -47,7 +47,7 @@ def sweep_command(scenario_path: str | Path, grid: list[str], sets: list[str],
 
     frame = run_sweep(scenario_path, parsed_grid, out_dir, sets=overrides, backend=backend,
                       dask_address=dask_address, workers=workers, resume=resume,
-                      progress=True, on_error=on_error)
+                      progress=sys.stderr.isatty(), on_error=on_error)
     plots = plot_sweep(frame, list(parsed_grid), out_dir / "plots")
     _print_sweep(frame, list(parsed_grid))
     mixed = mixed_cost_model_kinds(frame)

@@ -25,6 +25,7 @@ from typing import Optional
 
 from simkv.config.scenario import load_scenario, with_overrides
 from simkv.errors import InputError
+from simkv.limits import RULES
 
 MAX_REPLICAS = 512
 
@@ -132,8 +133,9 @@ def parse_gpu_prices(items: list) -> dict:
             value = float(text)
         except ValueError:
             value = -1.0
-        if not sep or not name.strip() or not value > 0:
-            raise InputError(f"--gpu-price {item!r}: expected GPU=USD_PER_HOUR (e.g. h200=3.5)")
+        if not sep or not name.strip() or not value > 0 or RULES["--gpu-price"].problem(value):
+            raise InputError(f"--gpu-price {item!r}: expected GPU=USD_PER_HOUR, a price in (0, "
+                             f"{RULES['--gpu-price'].high:,.0f}] (e.g. h200=3.5)")
         out[name.strip().lower()] = value
     return out
 

@@ -31,6 +31,8 @@ import pandas as pd
 from simkv.config.scenario import load_scenario, parse_set
 from simkv.engine.results import atomic_write_csv, atomic_write_text
 from simkv.errors import InputError
+from simkv.limits import check_number
+from simkv.workload.frames import load_requests_frame
 
 BACKENDS = ("local", "dask")
 NONDETERMINISTIC_COLUMNS = ["wall_time_s"]   # the only column that differs between reruns
@@ -113,7 +115,7 @@ def flatten_summary(summary: dict) -> dict[str, Any]:
     provenance stays in the point's JSON (it is not a figure)."""
     flat: dict[str, Any] = {}
     for key, value in summary.items():
-        if key == "provenance":
+        if key in ("provenance", "warnings"):  # not measures (warnings: lines about the input)
             continue
         if isinstance(value, dict):
             flat.update({f"{key}.{stat}": v for stat, v in value.items()})
@@ -224,15 +226,24 @@ def run_sweep(scenario_path: str | Path, grid: dict[str, list], out_dir: str | P
     """
     if backend not in BACKENDS:
         raise InputError(f"--backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    if workers is not None and workers < 1:
-        raise InputError(f"--workers: must be >= 1, got {workers}")
+    if workers is not None:
+        check_number(workers, "--workers", "--workers")
     scenario_path = Path(scenario_path)
     sets = dict(sets or {})
     base = load_scenario(scenario_path, sets)
+    workloads = set()
     for point in grid_points(grid):  # bad points fail now, not an hour in
         try:
-            load_scenario(base.raw, point, base_dir=scenario_path.resolve().parent,
-                          source=str(scenario_path))
+            scenario = load_scenario(base.raw, point, base_dir=scenario_path.resolve().parent,
+                                     source=str(scenario_path))
+            scenario.path = scenario_path
+            # the workload too (a bad trace row, a generator's bad key), once per distinct one
+            wl = scenario.workload
+            workload = json.dumps([str(wl.trace), wl.format, wl.time_scale, wl.limit,
+                                   wl.synthetic, scenario.seed], sort_keys=True, default=str)
+            if workload not in workloads:
+                workloads.add(workload)
+                load_requests_frame(scenario)
         except InputError as e:
             raise InputError(f"grid point {_describe(point)}: {e}") from None
 

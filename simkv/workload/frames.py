@@ -24,7 +24,11 @@ def load_requests_frame(scenario) -> pd.DataFrame:
         return shape_frame(df, wl, scenario.seed, str(wl.trace))
     from simkv.workload.synthetic import generate_synthetic
     base_dir = scenario.base_dir or (scenario.path.parent if scenario.path else None)
-    df = generate_synthetic(wl.synthetic or {}, scenario.seed, base_dir=base_dir)
+    try:
+        df = generate_synthetic(wl.synthetic or {}, scenario.seed, base_dir=base_dir)
+    except InputError as e:            # name the scenario file the generator's keys are in
+        where = getattr(scenario, "path", None)
+        raise InputError(f"{where}: {e}" if where else str(e)) from None
     offset = getattr(wl, "offset", 0)
     if offset:
         if offset >= len(df):
@@ -59,6 +63,9 @@ def shape_frame(df: pd.DataFrame, wl, seed: int, source: str) -> pd.DataFrame:
         df = df.assign(output_tokens=_scaled(df["output_tokens"], output_scale))
     if getattr(wl, "resample", None) == "bootstrap":
         df = block_bootstrap(df, np.random.default_rng(seed))
+    if wl.time_scale != 1.0 or prompt_scale != 1.0 or output_scale != 1.0:
+        from simkv.workload.traces import check_frame     # what every frame keeps, scaled too
+        check_frame(df, df.attrs.get("source", source))
     return df
 
 

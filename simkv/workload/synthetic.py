@@ -42,6 +42,7 @@ import pandas as pd
 
 from simkv.workload.traces import FORMATS, build_trace, load_trace
 from simkv.errors import InputError
+from simkv.limits import MAX_PREFIX_IDS, MAX_REQUESTS, RULES, Rule, check_number
 
 WHERE = "workload.synthetic"
 SPEC_KEYS = ["num_requests", "duration_s", "arrival", "prompt_tokens", "output_tokens",
@@ -81,6 +82,9 @@ def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> p
     if spec.get("conversation") is not None:
         turns, new_tokens, think_s = _turns(spec["conversation"], starts, turn_rng, base_dir)
     count = starts if turns is None else int(turns.sum())
+    if count > MAX_REQUESTS:
+        raise InputError(f"{WHERE}.conversation.turns: {count:,} requests in all, more than "
+                         f"the simulator takes ({MAX_REQUESTS:,}); fewer conversations or turns")
     columns = {
         "arrival_s": arrival_s,
         "prompt_tokens": _lengths(_get(spec, "prompt_tokens", WHERE), starts, prompt_rng,
@@ -98,8 +102,8 @@ def generate_synthetic(spec: dict, seed: int, base_dir: Path | None = None) -> p
         columns = _conversations(columns, turns, new_tokens, think_s)
     if spec.get("n") is not None:
         columns["n"] = _lengths(spec["n"], count, n_rng, f"{WHERE}.n", base_dir)
-    fraction = _number(spec, "cancel_fraction", WHERE, default=0.0, maximum=1.0)
-    max_s = _number(spec, "cancel_max_s", WHERE, default=5.0, positive=True)
+    fraction = _number(spec, "cancel_fraction", WHERE, default=0.0)
+    max_s = _number(spec, "cancel_max_s", WHERE, default=5.0)
     if fraction > 0:
         cancel_after_s = np.full(count, np.nan)
         chosen = _choose(cancel_rng, count, fraction)
@@ -135,6 +139,10 @@ def _arrivals(spec: dict, rng: np.random.Generator) -> np.ndarray:
         count = _integer(spec, "num_requests", WHERE)
         return np.concatenate([[0.0], np.cumsum(gaps(count - 1))])
     duration_s = _number(spec, "duration_s", WHERE, positive=True)
+    if rate * duration_s > MAX_REQUESTS:
+        raise InputError(f"{WHERE}.duration_s: {duration_s:g} s at {where}.rate {rate:g}/s is "
+                         f"about {rate * duration_s:,.0f} requests, more than the simulator "
+                         f"takes ({MAX_REQUESTS:,}); shorten it or lower the rate")
     chunk = int(rate * duration_s) + 16
     drawn = gaps(chunk)
     while drawn.sum() < duration_s:
@@ -145,33 +153,38 @@ def _arrivals(spec: dict, rng: np.random.Generator) -> np.ndarray:
 
 def _lengths(dist, count: int, rng: np.random.Generator, where: str,
              base_dir: Path) -> np.ndarray:
-    """Draw `count` integers >= 1 from a length distribution spec (or a bare integer)."""
+    """Draw `count` integers >= 1 from a length distribution spec (or a bare integer), each
+    within the rule of what they count (tokens, samples, turns: simkv.limits)."""
+    rule = _length_rule(where)
     if not isinstance(dist, dict):
-        if isinstance(dist, bool) or not isinstance(dist, (int, np.integer)) or dist < 1:
-            raise InputError(f"{where} must be an integer >= 1 or a mapping like "
+        if isinstance(dist, bool) or not isinstance(dist, (int, np.integer)):
+            raise InputError(f"{where}: expected an integer or a mapping like "
                              f"{{dist: fixed, value: 200}}, got {dist!r}")
-        return np.full(count, int(dist), dtype=np.int64)
+        return np.full(count, check_number(dist, rule, where), dtype=np.int64)
     kind = dist.get("dist")
     if kind not in DIST_KEYS:
         raise InputError(f"{where}.dist must be one of {', '.join(DIST_KEYS)}, got {kind!r}")
     _check_keys(dist, ["dist"] + DIST_KEYS[kind], where)
     if kind == "fixed":
-        return np.full(count, _integer(dist, "value", where), dtype=np.int64)
+        return np.full(count, _integer(dist, "value", where, rule=rule), dtype=np.int64)
     if kind == "uniform":
-        low, high = _integer(dist, "min", where), _integer(dist, "max", where)
+        low = _integer(dist, "min", where, rule=rule)
+        high = _integer(dist, "max", where, rule=rule)
         if high < low:
             raise InputError(f"{where}.max must be >= {where}.min ({low}), got {high}")
         return rng.integers(low, high + 1, count, dtype=np.int64)
     if kind == "lognormal":
-        mean = _number(dist, "mean", where, positive=True)
-        sigma = _number(dist, "sigma", where)
-        low = _integer(dist, "min", where, default=1)
-        high = _integer(dist, "max", where, default=None)
+        mean = _number(dist, "mean", where, rule=Rule(float, 0, rule.high, low_open=True))
+        sigma = _number(dist, "sigma", where, rule=RULES["lognormal.sigma"])
+        low = _integer(dist, "min", where, default=1, rule=rule)
+        high = _integer(dist, "max", where, default=None, rule=rule)
         if high is not None and high < low:
             raise InputError(f"{where}.max must be >= {where}.min ({low}), got {high}")
         mu = math.log(mean) - sigma ** 2 / 2  # so that the mean, not the median, is `mean`
         values = np.rint(rng.lognormal(mu, sigma, count))
-        return np.clip(values, low, high).astype(np.int64)
+        # the rule's bound caps the draws a long tail takes past it (an int64 cast of inf
+        # would wrap); below it the draws are as they were
+        return np.clip(values, low, rule.high if high is None else high).astype(np.int64)
     return _empirical(dist, count, rng, where, base_dir)
 
 
@@ -193,6 +206,10 @@ def _empirical(dist: dict, count: int, rng: np.random.Generator, where: str,
     if fmt not in ("auto",) + FORMATS:
         raise InputError(f"{where}.format must be one of auto, {', '.join(FORMATS)}, got {fmt!r}")
     values = load_trace(path, format=fmt)[column].to_numpy()
+    rule = _length_rule(where)
+    if values.size and (values.min() < rule.low or values.max() > rule.high):
+        raise InputError(f"{where}.trace: {path}: column {column} has values outside "
+                         f"{rule.interval()}; expected {rule.describe()}")
     return rng.choice(values, count, replace=True).astype(np.int64)
 
 
@@ -210,7 +227,7 @@ def _shared_prefix(shared: dict, prompt: np.ndarray, rng: np.random.Generator) -
     _check_keys(shared, SHARED_PREFIX_KEYS, where)
     groups = _integer(shared, "num_groups", where)
     prefix_tokens = _integer(shared, "prefix_tokens", where)
-    fraction = _number(shared, "fraction", where, maximum=1.0)
+    fraction = _number(shared, "fraction", where)
     block = _integer(shared, "block_tokens", where, default=16)
 
     count = len(prompt)
@@ -220,6 +237,11 @@ def _shared_prefix(shared: dict, prompt: np.ndarray, rng: np.random.Generator) -
     prompt[chosen] += prefix_tokens
     shared_blocks = prefix_tokens // block
     unique_blocks = -(-prompt[chosen] // block) - shared_blocks
+    ids = int(unique_blocks.sum()) + len(chosen) * shared_blocks
+    if ids > MAX_PREFIX_IDS:
+        raise InputError(f"{where}: the shared prompts make {ids:,} prefix block ids, more "
+                         f"than the simulator keeps ({MAX_PREFIX_IDS:,}); raise "
+                         f"{where}.block_tokens or shorten the prompts")
     unique_start = groups * shared_blocks + np.concatenate([[0], np.cumsum(unique_blocks)[:-1]])
     prefix_ids = [None] * count
     for i, g, start, k in zip(chosen.tolist(), group.tolist(), unique_start.tolist(),
@@ -253,26 +275,27 @@ def _turns(conversation: dict, starts: int, rng: np.random.Generator, base_dir: 
 def _seconds(dist, count: int, rng: np.random.Generator, where: str) -> np.ndarray:
     """Draw `count` durations >= 0 s from a number (fixed) or a duration distribution spec."""
     if not isinstance(dist, dict):
-        if isinstance(dist, bool) or not isinstance(dist, (int, float, np.number)) \
-                or not math.isfinite(dist) or dist < 0:
-            raise InputError(f"{where} must be a number >= 0 (seconds) or a mapping like "
+        if isinstance(dist, bool) or not isinstance(dist, (int, float, np.number)):
+            raise InputError(f"{where}: expected a number of seconds or a mapping like "
                              f"{{dist: exponential, mean: 30}}, got {dist!r}")
-        return np.full(count, float(dist))
+        return np.full(count, check_number(dist, RULES["trace.seconds"], where))
     kind = dist.get("dist")
     if kind not in SECONDS_KEYS:
         raise InputError(f"{where}.dist must be one of {', '.join(SECONDS_KEYS)}, got {kind!r}")
     _check_keys(dist, ["dist"] + SECONDS_KEYS[kind], where)
+    seconds, positive = RULES["trace.seconds"], RULES["workload.synthetic.duration_s"]
     if kind == "fixed":
-        return np.full(count, _number(dist, "value", where))
+        return np.full(count, _number(dist, "value", where, rule=seconds))
     if kind == "uniform":
-        low, high = _number(dist, "min", where), _number(dist, "max", where)
+        low = _number(dist, "min", where, rule=seconds)
+        high = _number(dist, "max", where, rule=seconds)
         if high < low:
             raise InputError(f"{where}.max must be >= {where}.min ({low:g}), got {high:g}")
         return rng.uniform(low, high, count)
-    mean = _number(dist, "mean", where, positive=True)
+    mean = _number(dist, "mean", where, rule=positive)
     if kind == "exponential":
         return rng.exponential(mean, count)
-    sigma = _number(dist, "sigma", where)
+    sigma = _number(dist, "sigma", where, rule=RULES["lognormal.sigma"])
     return rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, count)
 
 
@@ -338,28 +361,38 @@ def _get(mapping: dict, key: str, where: str):
     return mapping[key]
 
 
-def _integer(mapping: dict, key: str, where: str, minimum: int = 1, default=_MISSING):
+def _rule(where: str, key: str, fallback: Rule) -> Rule:
+    """The rule of `workload.synthetic...key` in simkv.limits, or `fallback`."""
+    return RULES.get(f"{where}.{key}", fallback)
+
+
+def _length_rule(where: str) -> Rule:
+    """The rule of a length distribution's values: samples (`n`), turns, else tokens."""
+    leaf = where.rsplit(".", 1)[-1]
+    return RULES[leaf] if leaf in ("n", "turns") else RULES["lengths"]
+
+
+def _integer(mapping: dict, key: str, where: str, default=_MISSING, rule: Rule | None = None):
+    """An integer within its rule (simkv.limits; by default the rule of where.key, else
+    tokens)."""
+    rule = rule or _rule(where, key, RULES["lengths"])
     value = mapping.get(key)
     if value is None:
         if default is _MISSING:
-            raise InputError(f"{where}.{key} is required (an integer >= {minimum})")
+            raise InputError(f"{where}.{key} is required ({rule.describe()})")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise InputError(f"{where}.{key} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return check_number(value, rule, f"{where}.{key}")
 
 
 def _number(mapping: dict, key: str, where: str, positive: bool = False,
-            maximum: float = math.inf, default=_MISSING) -> float:
+            default=_MISSING, rule: Rule | None = None) -> float:
+    """A number within its rule (simkv.limits; by default the rule of where.key, else a
+    number of seconds, > 0 when `positive`)."""
+    rule = rule or _rule(where, key, RULES["workload.synthetic.duration_s"] if positive
+                         else RULES["trace.seconds"])
     value = mapping.get(key)
     if value is None:
         if default is _MISSING:
-            raise InputError(f"{where}.{key} is required (a number)")
+            raise InputError(f"{where}.{key} is required ({rule.describe()})")
         return default
-    valid = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) \
-        and math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= maximum
-    if not valid:
-        bound = "> 0" if positive else ">= 0"
-        bound += f" and <= {maximum:g}" if maximum < math.inf else ""
-        raise InputError(f"{where}.{key} must be a number {bound}, got {value!r}")
-    return float(value)
+    return check_number(value, rule, f"{where}.{key}")

@@ -15,9 +15,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.errors import InputError
+from simkv.errors import InputError, read_text
+from simkv.limits import RULES
 
 MOONCAKE_BLOCK_TOKENS = 512
+# timestamp (ms), input_length, output_length: at most simkv.limits' seconds and tokens
+MOONCAKE_MAXIMA = (int(RULES["trace.seconds"].high * 1000), int(RULES["trace.tokens"].high),
+                   int(RULES["trace.tokens"].high))
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 BURSTGPT_COLUMNS = ["Timestamp", "Request tokens", "Response tokens"]
@@ -59,29 +64,31 @@ def _load_burstgpt(path: Path):
 def _load_mooncake(path: Path):
     keys = ("timestamp", "input_length", "output_length")
     numbers, hash_ids, line_numbers = [], [], []
-    with open(path, encoding="utf-8-sig") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: invalid JSON ({e.msg}); expected one object per "
-                                 f"line like {MOONCAKE_EXAMPLE}") from None
-            if not isinstance(row, dict) or any(k not in row for k in keys + ("hash_ids",)):
-                raise InputError(f"{where}: needs keys {', '.join(keys)}, hash_ids; "
-                                 f"expected a line like {MOONCAKE_EXAMPLE}")
-            values = [row[k] for k in keys]
-            for key, value in zip(keys, values):
-                if type(value) is not int or value < 0:
-                    raise InputError(f"{where}: {key} must be an integer >= 0, got {value!r}")
-            ids = row["hash_ids"]
-            if not isinstance(ids, list) or any(type(i) is not int for i in ids):
-                raise InputError(f"{where}: hash_ids must be a list of integers")
-            numbers.append(values)
-            hash_ids.append(tuple(ids))
-            line_numbers.append(line_number)
+    text = read_text(path, "trace").replace("\r\n", "\n").replace("\r", "\n")
+    for line_number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {line_number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{where}: invalid JSON ({e.msg}); expected one object per "
+                             f"line like {MOONCAKE_EXAMPLE}") from None
+        if not isinstance(row, dict) or any(k not in row for k in keys + ("hash_ids",)):
+            raise InputError(f"{where}: needs keys {', '.join(keys)}, hash_ids; "
+                             f"expected a line like {MOONCAKE_EXAMPLE}")
+        values = [row[k] for k in keys]
+        for key, value, most in zip(keys, values, MOONCAKE_MAXIMA):
+            if type(value) is not int or not 0 <= value <= most:
+                raise InputError(f"{where}: {key} must be an integer >= 0 and <= "
+                                 f"{most:,}, got {_shown(value)}")
+        ids = row["hash_ids"]
+        if not isinstance(ids, list) or any(type(i) is not int or not INT64_MIN <= i <= INT64_MAX
+                                            for i in ids):
+            raise InputError(f"{where}: hash_ids must be a list of 64-bit integers")
+        numbers.append(values)
+        hash_ids.append(tuple(ids))
+        line_numbers.append(line_number)
     if not numbers:
         raise InputError(f"{path}: no requests (only blank lines); expected JSON lines like "
                          f"{MOONCAKE_EXAMPLE}")
@@ -115,7 +122,7 @@ def _load_canonical(path: Path):
         if name in raw:
             columns[name] = raw[name].str.strip().to_numpy(dtype=object)
     if "n" in raw:
-        n = _numbers(path, lines, raw["n"], minimum=1, empty_ok=True)
+        n = _numbers(path, lines, raw["n"], minimum=1, maximum=RULES["n"].high, empty_ok=True)
         columns["n"] = np.where(np.isnan(n), 1, n)
     if "cancel_after_s" in raw:
         columns["cancel_after_s"] = _numbers(path, lines, raw["cancel_after_s"], integer=False,
@@ -271,7 +278,10 @@ def _read_csv(path: Path, required: list[str], kind: str):
     except pd.errors.EmptyDataError:
         raise InputError(f"{path}: empty file; expected a header with "
                          + ", ".join(required)) from None
-    except (pd.errors.ParserError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        read_text(path, "trace")          # raises, naming the line
+        raise
+    except pd.errors.ParserError as e:
         reason = str(e).strip().splitlines()[-1]
         raise InputError(f"{path}: malformed CSV ({reason}); expected {kind} trace with "
                          f"columns {', '.join(required)}") from None
@@ -290,20 +300,32 @@ def _read_csv(path: Path, required: list[str], kind: str):
     return raw, raw.index.to_numpy() + 1  # the header is line 1 and row 0
 
 
-def _numbers(path, lines, text: pd.Series, *, integer=True, minimum=0, empty_ok=False):
-    """Parse a string column as numbers >= minimum (float array; NaN where empty and allowed)."""
+def _numbers(path, lines, text: pd.Series, *, integer=True, minimum=0, maximum=None,
+             empty_ok=False):
+    """Parse a string column as numbers in [minimum, maximum] (float array; NaN where empty
+    and allowed). `maximum` defaults to the bound of simkv.limits: trace.tokens' for integers
+    (token counts), trace.seconds' for the rest (seconds)."""
+    if maximum is None:
+        maximum = RULES["trace.tokens" if integer else "trace.seconds"].high
     text = text.str.strip()
     empty = (text == "").to_numpy()
     values = pd.to_numeric(text, errors="coerce").to_numpy(dtype=float, na_value=np.nan)
     with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(values) | (values < minimum)
+        bad = ~np.isfinite(values) | (values < minimum) | (values > maximum)
         if integer:
             bad |= values != np.floor(values)
     bad &= ~(empty & empty_ok)
     kind = "an integer" if integer else "a number"
-    valid = f"{kind} >= {minimum}" + (" or empty" if empty_ok else "")
+    valid = f"{kind} >= {minimum} and <= {int(maximum):,}" + (" or empty" if empty_ok else "")
     _fail_first(path, lines, text, bad, f"{text.name} must be {valid}")
     return values
+
+
+def _shown(value) -> str:
+    """repr of a value, a huge integer by its digits."""
+    if type(value) is int and abs(value) >= 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
 
 
 def _fail_first(path, lines, text: pd.Series, bad: np.ndarray, rule: str) -> None:

@@ -19,13 +19,14 @@ import numpy as np
 import pandas as pd
 
 from simkv.errors import InputError
+from simkv.limits import MAX_N, MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS
 from simkv.workload.trace_formats import (AZURE_COLUMNS, BURSTGPT_COLUMNS, CSV_OPTIONAL,
                                           CSV_REQUIRED, LOADERS, MOONCAKE_BLOCK_TOKENS,
                                           MOONCAKE_EXAMPLE)
 
 __all__ = ["AZURE_COLUMNS", "BURSTGPT_COLUMNS", "COLUMNS", "CSV_OPTIONAL", "CSV_REQUIRED",
            "FORMATS", "MOONCAKE_BLOCK_TOKENS", "MOONCAKE_EXAMPLE", "build_trace",
-           "detect_format", "load_trace", "trace_stats", "write_canonical"]
+           "check_frame", "detect_format", "load_trace", "trace_stats", "write_canonical"]
 
 COLUMNS = ["request_id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids",
            "prefix_block_tokens", "tenant", "adapter", "n", "cancel_after_s",
@@ -174,7 +175,30 @@ def build_trace(columns: Mapping[str, object], *, source: str, format: str,
     frame["adapter"] = frame["adapter"].astype(str)
     frame.insert(0, "request_id", np.arange(len(frame), dtype=np.int64))
     frame.attrs.update(format=format, source=source, dropped=dropped, warnings=warnings)
+    check_frame(frame, source)
     return frame
+
+
+def check_frame(frame: pd.DataFrame, source: str) -> None:
+    """InputError unless the frame is one the simulator can finish (simkv.limits): at most
+    MAX_REQUESTS requests, arrivals finite and within MAX_SECONDS, lengths within MAX_TOKENS
+    and n within MAX_N (each loader checks its rows; this holds for every source, generators
+    and time_scale included)."""
+    if len(frame) > MAX_REQUESTS:
+        raise InputError(f"{source}: {len(frame):,} requests, more than the simulator takes "
+                         f"({MAX_REQUESTS:,}); keep the first ones with workload.limit")
+    arrival = frame["arrival_s"].to_numpy(dtype=float)
+    if len(arrival) and not (np.isfinite(arrival).all() and arrival[-1] <= MAX_SECONDS):
+        raise InputError(f"{source}: arrivals span {arrival[-1]:g} s (after time_scale), more "
+                         f"than the simulator takes ({MAX_SECONDS:g} s); lower "
+                         f"workload.time_scale or keep fewer requests (workload.limit)")
+    for name, most in (("prompt_tokens", MAX_TOKENS), ("output_tokens", MAX_TOKENS),
+                       ("n", MAX_N)):
+        values = frame[name].to_numpy()
+        if len(values) and (values.max() > most or values.min() < 0):
+            i = int(np.argmax((values > most) | (values < 0)))
+            raise InputError(f"{source}: request {i}: {name} {int(values[i]):,} is not in "
+                             f"[0, {most:,}]")
 
 
 def trace_stats(df: pd.DataFrame) -> dict:

@@ -47,8 +47,8 @@ import simpy
 from simkv.config.cluster import STATE_INDEPENDENT
 from simkv.costmodel import load_cost_model
 from simkv.engine.build import build_scheduler
-from simkv.engine.loop import HORIZON, IDLE, NOW, RunSteps, delay_to, hops, serve
-from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.engine.loop import HORIZON, IDLE, NOW, RunSteps, StepGuard, delay_to, hops, serve
+from simkv.engine.metrics import MetricsRecorder, add_input_notes, requests_frame, summarize
 from simkv.sim.cluster import summary as fleet_summary
 from simkv.sim.cluster.router import READS_KV, Router, assign, hashed_among_first_free
 from simkv.sim.executor import CostModelExecutor
@@ -79,6 +79,7 @@ class Replica:
         self.run_steps = None                # the decode run in flight (loop.RunSteps)
         self.cut_to = None                   # the step it is cut at (an arrival inside it)
         self.before_schedule = None          # called before the loop plans (P/D parking)
+        self.guard = None                    # the run's StepGuard (simkv.engine.loop)
 
     # -- what a router reads --------------------------------------------------------------------
     def load(self) -> int:
@@ -240,6 +241,7 @@ class Fleet:
         """Run a replica's serving loop on the clock (simkv.engine.loop's protocol)."""
         env = self.env
         scheduler = replica.scheduler
+        check = replica.guard.check
         command = next(loop)
         while True:
             if command is NOW:
@@ -272,6 +274,7 @@ class Fleet:
                 replica.wake = None
                 reply = env.now
             else:
+                check(command)
                 yield env.timeout(command)
                 reply = env.now
             if replica.before_schedule is not None and command is not HORIZON:
@@ -289,6 +292,8 @@ class Fleet:
         wall_start = time.perf_counter()
         env = self.env
         requests = requests_from_frame(self.frame)
+        for replica in self.replicas:       # a replica serves at most every request
+            replica.guard = StepGuard(requests, str(self.scenario.path or self.scenario.name))
         if self.own_horizon:
             replicas = self.replicas
             router = self.cluster.router
@@ -360,6 +365,7 @@ class Fleet:
         summary = fleet_summary.fleet_summary(self, per_replica, req_all, steps_all,
                                               wall_time_s=time.perf_counter() - wall_start)
         summary["wall_time_s"] = time.perf_counter() - wall_start
+        add_input_notes(summary, self.frame)
         extra = {"dropped": dict(self.frame.attrs.get("dropped", {})),
                  "warnings": list(self.frame.attrs.get("warnings", [])),
                  "replicas": [r.name for r in self.replicas],

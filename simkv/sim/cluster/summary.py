@@ -17,7 +17,7 @@ from array import array
 
 import numpy as np
 
-from simkv.engine.metrics import _hist_family, latency_family, slo_met
+from simkv.engine.metrics import _hist_family, hit_ratio_split, latency_family, slo_met
 
 
 def _nan_to_none(summary: dict) -> dict:
@@ -104,6 +104,7 @@ def aggregate(replicas: list, requests, steps, *, duration_s: float, slo: dict,
         "preemptions_per_s": sum(s.num_preemptions for s in scheds) / duration,
         "swap_fallbacks": int(sum(s.num_swap_fallbacks for s in scheds)),
         "prefix_cache_hit_ratio": cached / queried if queried else 0.0,
+        **hit_ratio_split([q for s in hit_scheds for q in s.done], cached, queried),
         "cached_tokens": int(cached),
         "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
         "cow_copies": int(sum(s.kv.num_cow_copies for s in scheds)),
