@@ -252,6 +252,7 @@ class Fleet:
                 replica.run_steps, ends = command, command.ends
                 try:
                     for delay in hops(ends):
+                        check(delay)
                         yield env.timeout(delay)
                     reply = env.now
                 except simpy.Interrupt:      # an arrival inside: stop at the step's end
