@@ -77,7 +77,7 @@ def test_simkv_explain_prints_the_terms_and_json_whose_sum_is_the_seconds():
     assert set(found) >= {"step", "plan", "terms", "seconds"} and found["step"] == 100
     assert found["seconds"] == math.fsum(found["terms"].values())
     bad = run_simkv("explain", "scenarios/quickstart.yaml", "--step", "0")
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --step: must be >= 1, got 0"
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --step: 0 is not in [1, ")
 
 
 def test_simkv_run_step_terms_writes_a_column_per_term(tmp_path):

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from simkv.engine.metrics import MetricsRecorder, requests_frame, summarize
+from simkv.engine.metrics import MetricsRecorder, add_input_notes, requests_frame, summarize
 from simkv.engine.request import Request
 from simkv.errors import InputError
 from simkv.engine.results import atomic_write_text, write_results
@@ -286,8 +286,7 @@ def replay(scenario, device: str = "cuda", out_dir=None, save_tokens: bool = Fal
     on_step = _progress_printer(len(frame)) if progress else None
     duration = engine.run(requests_from_frame(frame), realtime=realtime, progress=on_step)
     result = engine.result(duration, time.perf_counter() - wall0)
-    result.extra["dropped"] = dict(frame.attrs.get("dropped", {}))
-    result.extra["warnings"] = list(frame.attrs.get("warnings", []))
+    add_input_notes(result.summary, frame)        # requests_dropped and warnings, as the simulator
     if out_dir is not None:
         result.write(out_dir, save_tokens=save_tokens)
     return result

@@ -59,10 +59,10 @@ def knee_index(x: Sequence[float], y: Sequence[float],
 
 
 def t_quantile_975(dof: int) -> float:
-    """Two-sided 95% Student t quantile for `dof` degrees of freedom (1.96 beyond the table)."""
-    from simkv.whatif.capacity import T_975
+    """Two-sided 95% Student t quantile for `dof` >= 1 degrees of freedom."""
+    from scipy import stats
 
-    return T_975[dof - 1] if 1 <= dof <= len(T_975) else 1.96
+    return float(stats.t.ppf(0.975, dof))
 
 
 @dataclass(frozen=True)
