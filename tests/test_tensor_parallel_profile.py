@@ -50,3 +50,21 @@ def test_parts_a_tp_profile_does_not_measure_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "tiny", "--tensor-parallel-size", "2", "--parts", "ledger"])
     assert "choose from steps, transfers, allreduce" in capsys.readouterr().err
+
+
+# `nvidia-smi topo -m` as the H200 machines print it (one GPU: recorded 2026-12-02; two: its
+# layout with the NVLink count of an H200 board), with the underline escapes of the header row
+TOPO_ONE = ("\t\x1b[4mGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+            "GPU0\t X \t0-15\t0\t\tN/A\n\nLegend:\n\n  X    = Self\n")
+TOPO_TWO = ("\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+            "GPU0\t X \tNV18\t0-31\t0\t\tN/A\nGPU1\tNV18\t X \t0-31\t0\t\tN/A\n")
+
+
+@pytest.mark.parametrize("text, link", [(TOPO_ONE, "one GPU (nvidia-smi topo -m lists no GPU1)"),
+                                        (TOPO_TWO, "GPU0-GPU1 NV18 (nvidia-smi topo -m)")])
+def test_the_link_is_read_from_the_gpu1_column_of_gpu0s_row(monkeypatch, text, link):
+    import subprocess
+    from types import SimpleNamespace
+    from simkv.gpu.profiler import tensor_parallel as tp_profiler
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=text))
+    assert tp_profiler._link_summary() == link

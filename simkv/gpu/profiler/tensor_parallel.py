@@ -93,10 +93,15 @@ def _link_summary() -> str:
                              timeout=20).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return f"unknown ({e})"
-    for line in out.splitlines():
-        cells = line.split()
-        if cells and cells[0] == "GPU0" and len(cells) > 2:
-            return f"GPU0-GPU1 {cells[2]} (nvidia-smi topo -m)"
+    import re
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in out.splitlines()]
+    rows = [line.split() for line in lines if line.split()[:1] == ["GPU0"]]
+    header = next((cells for cells in rows if cells[1:2] != ["X"]), None)   # the column names
+    for cells in rows:
+        if cells[1:2] == ["X"]:                                             # GPU0's own row
+            if header is None or "GPU1" not in header:
+                return "one GPU (nvidia-smi topo -m lists no GPU1)"
+            return f"GPU0-GPU1 {cells[header.index('GPU1') + 1]} (nvidia-smi topo -m)"
     return "unknown (nvidia-smi topo -m gave no GPU0 row)"
 
 
