@@ -3,10 +3,12 @@ trace, from the repository root as papermill runs it, with a smaller window, few
 configurations injected after its parameters cell (papermill-style); its tables, figures and
 sentences are then read back from the kernel."""
 import json
+import os
 from pathlib import Path
 
 import nbformat
 import pytest
+from filelock import FileLock
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,20 +63,37 @@ def section(nb, heading: str) -> str:
     return "\n".join(out)
 
 
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    if not TRACE.exists():
-        pytest.skip(f"the Azure conv trace is not at {TRACE} (see the README: public traces)")
-    out = tmp_path_factory.mktemp("report")
+def _shared_folder(tmp_path_factory) -> Path:
+    """One folder for the whole test session: under pytest-xdist each worker has its own base
+    temp, and their parent is the session's, so the notebook runs once, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "capacity-report"
+
+
+def _execute(folder: Path) -> None:
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    out = folder / "out"
     nb.cells.insert(params + 1, nbformat.v4.new_code_cell(PARAMETERS + f"out_dir = {str(out)!r}"))
     nb.cells.append(nbformat.v4.new_code_cell(READ_BACK))
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT)}}).execute()
     text = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
-    facts = json.loads(text.split("READ_BACK", 1)[1])
-    return nb, facts, out
+    (folder / "facts.json").write_text(text.split("READ_BACK", 1)[1])
+    nbformat.write(nb, folder / "executed.ipynb")       # last: its presence says the run ended
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    if not TRACE.exists():
+        pytest.skip(f"the Azure conv trace is not at {TRACE} (see the README: public traces)")
+    folder = _shared_folder(tmp_path_factory)
+    with FileLock(str(folder) + ".lock"):              # the first worker runs it, the others wait
+        if not (folder / "executed.ipynb").exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            _execute(folder)
+    nb = nbformat.read(folder / "executed.ipynb", as_version=4)
+    return nb, json.loads((folder / "facts.json").read_text()), folder / "out"
 
 
 def test_every_configuration_has_a_capacity_and_a_fleet(executed):
