@@ -18,6 +18,10 @@ STEP_KEYS = ("t_linear_s", "a_decode_s_per_token", "a_prefill_s_per_pair",
 LAYOUT_INT_KEYS = ("sm_count", "num_kv_heads", "decode_tile", "max_model_len", "max_num_seqs",
                    "num_heads", "prefill_tile")
 LAYOUT_SLOT_KEYS = ("decode_slots_per_sm", "prefill_slots_per_sm")
+LAYOUT_MODEL_KEYS = ("sliding_window", "num_experts", "experts_top_k")   # optional (0: none)
+# The window and expert terms' coefficients: optional (a dense full-attention fit has none).
+OPTIONAL_STEP_KEYS = ("a_window_decode_s_per_token", "a_window_prefill_s_per_pair",
+                      "a_expert_s")
 SHAPE_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
               "intermediate_size", "vocab_size")
 TRANSFER_KEYS = ("c0_s", "c_block_s", "c_byte_s")
@@ -137,6 +141,15 @@ def _read_layout(fit: dict, path: Path, token_knots, graph_batch_sizes) -> StepL
         if slots < 0:
             raise InputError(f"{path}: key 'layout.{key}' must be >= 0, got {slots:g}")
         fields[key] = slots
+    for key in LAYOUT_MODEL_KEYS:
+        value = int(numbers(layout.get(key, 0), f"layout.{key}", path)[0])
+        if value < 0:
+            raise InputError(f"{path}: key 'layout.{key}' must be >= 0, got {value}")
+        fields[key] = value
+    if bool(fields["num_experts"]) != bool(fields["experts_top_k"]) \
+            or fields["experts_top_k"] > fields["num_experts"]:
+        raise InputError(f"{path}: keys 'layout.num_experts' and 'layout.experts_top_k' must "
+                         "both be 0 or 0 < experts_top_k <= num_experts")
     in_order = need(layout, "decode_tail_in_order", path, "layout.")
     if not isinstance(in_order, bool):
         raise InputError(f"{path}: key 'layout.decode_tail_in_order' must be true or false")
@@ -152,6 +165,9 @@ def _read_step(entry: dict, bs: int, path: Path, num_knots: int) -> dict:
     for key in STEP_KEYS:
         value = numbers(need(entry, key, path, f"step.{bs}."), f"step.{bs}.{key}", path)
         coefs[key] = value if key in ("t_linear_s", "a_decode_s_per_token") else value[0]
+    for key in OPTIONAL_STEP_KEYS:
+        if key in entry:
+            coefs[key] = numbers(entry[key], f"step.{bs}.{key}", path)[0]
     if len(coefs["t_linear_s"]) != num_knots:
         raise InputError(f"{path}: key 'step.{bs}.t_linear_s' has "
                          f"{len(coefs['t_linear_s'])} values for {num_knots} token_knots")

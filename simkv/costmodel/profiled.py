@@ -22,7 +22,8 @@ __all__ = ["BlockSizeNotProfiled", "ProfiledCostModel", "find_profile"]
 
 FORWARD_TERMS = ("linear", "decode_attention", "shared_read_saving", "decode_tail",
                  "prefill_attention", "prefill_context", "prefill_tail", "per_sequence",
-                 "mixed_graph_input", "prefill_rows", "eager_launch", "host_floor")
+                 "mixed_graph_input", "prefill_rows", "window_attention", "experts",
+                 "eager_launch", "host_floor")
 AROUND_TERMS = ("engine_host", "serving_prep", "block_copies", "swap_out", "swap_in")
 _NO_FORWARD = (0.0,) * len(FORWARD_TERMS)
 
@@ -98,7 +99,9 @@ class ProfiledCostModel(TermModel):
         if kv_bytes != measured:
             ratio = kv_bytes / measured
             for key in ("a_decode_s_per_token", "a_decode_longest_s_per_token",
-                        "a_prefill_ctx_s_per_token"):
+                        "a_prefill_ctx_s_per_token", "a_window_decode_s_per_token"):
+                if key not in self.coefs:
+                    continue
                 v = self.coefs[key]
                 self.coefs[key] = [x * ratio for x in v] if isinstance(v, list) else v * ratio
             self.notes.append(f"kv_dtype {kv_dtype}: KV-read terms scaled by {ratio:g} from the "
@@ -171,6 +174,12 @@ class ProfiledCostModel(TermModel):
         self._a_long = c["a_decode_longest_s_per_token"]
         self._h0 = c["host_floor_s"]
         self._h_seq = c["host_floor_s_per_seq"]
+        self._a_win_dec = c.get("a_window_decode_s_per_token", 0.0) if self.layout.has_window \
+            else 0.0
+        self._a_win_pf = c.get("a_window_prefill_s_per_pair", 0.0) if self.layout.has_window \
+            else 0.0
+        self._a_expert = c.get("a_expert_s", 0.0) if self.layout.has_experts else 0.0
+        self._expert_cache: dict = {}      # (tokens, rows) -> the experts term
         self._max_graph = self.graph_batch_sizes[-1] if self.graph_batch_sizes else 0
         self._linear_cache: dict = {}      # rows -> T_lin(rows); the simulator asks every step
         self._a_dec_cache: dict = {}       # decode batch -> a_dec(batch)
@@ -255,13 +264,32 @@ class ProfiledCostModel(TermModel):
             if self._a_ptail and prefill_tokens else 0.0
         mixed_input = self._c_mixed_seq * decodes + self._c_mixed if graph and mixed else 0.0
         prefill_rows = self._c_prefill_row * rows if mixed else 0.0
+        window = 0.0
+        if self._a_win_dec and decodes:       # the sliding layers read at most the window
+            if contexts is None:
+                contexts = [s.start + 1 for s in plan.scheduled]    # every item decodes
+            window = self._a_win_dec * layout.window_decode_tokens(decodes, decode_context,
+                                                                   contexts)
+        if self._a_win_pf and prefill_tokens:
+            window += self._a_win_pf * layout.window_prefill_pairs(chunks, pairs)
         values = (linear, decode, saving, tail, self._a_pf * pairs, self._a_ctx * prefill_context,
-                  prefill_tail, self._c_seq * num_seqs, mixed_input, prefill_rows)
+                  prefill_tail, self._c_seq * num_seqs, mixed_input, prefill_rows, window,
+                  self._experts(tokens, rows))
         if graph:
             return values + (0.0, 0.0)
         # Eager: every kernel is launched from Python; small steps wait on the host.
         floor = self._h0 + self._h_seq * num_seqs - math.fsum(values) - self._c_eager
         return values + (self._c_eager, max(0.0, floor))
+
+    def _experts(self, tokens: int, rows: int) -> float:
+        """The experts term: expected touched experts (one MoE layer) x a_expert."""
+        if not self._a_expert:
+            return 0.0
+        value = self._expert_cache.get((tokens, rows))
+        if value is None:
+            value = self._expert_cache[(tokens, rows)] = \
+                self._a_expert * self.layout.experts_touched(tokens, rows)
+        return value
 
     def decode_run_values(self, run, shared):
         """(forward_values, around_values) of a decode run's steps k = 1, 2, ... (a generator;
@@ -282,6 +310,7 @@ class ProfiledCostModel(TermModel):
         a_long = self._a_long
         z_pairs, z_context = self._a_pf * 0, self._a_ctx * 0
         per_seq = self._c_seq * n
+        experts = self._experts(n, rows)           # the same tokens every step
         around = self.around_values(run.plan)      # the same n, no prefill, copy or swap
         context0 = run.context_tokens - n
         c_eager, host_floor = self._c_eager, self._h0 + self._h_seq * n
@@ -296,10 +325,10 @@ class ProfiledCostModel(TermModel):
                 tail = a_long * next(tails)
             if graph:
                 yield (linear, decode, saving, tail, z_pairs, z_context, 0.0, per_seq, 0.0, 0.0,
-                       0.0, 0.0), around
+                       0.0, experts, 0.0, 0.0), around
             else:
                 values = (linear, decode, saving, tail, z_pairs, z_context, 0.0, per_seq, 0.0,
-                          0.0)
+                          0.0, 0.0, experts)
                 floor = host_floor - math.fsum(values) - c_eager
                 yield values + (c_eager, max(0.0, floor)), around
             k += 1
@@ -324,6 +353,8 @@ class ProfiledCostModel(TermModel):
             if linear is None:
                 linear = self._linear_cache[rows] = self._linear(rows)
             constant = (linear, self._a_pf * 0, self._a_ctx * 0, self._c_seq * n)
+            if self._a_expert:          # a MoE model's experts: the same tokens every step
+                constant += (self._experts(n, rows),)
             sums = self._run_constants[(n, around_values)] = (
                 exact_partials(constant), exact_partials(constant + around_values),
                 math.fsum(around_values))

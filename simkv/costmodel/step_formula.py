@@ -12,6 +12,8 @@ import heapq
 import math
 from dataclasses import asdict, dataclass
 
+from simkv.costmodel.features import expected_experts_touched
+from simkv.costmodel.roofline import window_pairs
 from simkv.errors import InputError
 from simkv.launch_policy import decode_num_splits
 
@@ -58,6 +60,7 @@ def token_knots_for(max_tokens: int) -> list:
 
 
 _num_splits = functools.lru_cache(maxsize=4096)(decode_num_splits)   # called every step
+_touched = functools.lru_cache(maxsize=4096)(expected_experts_touched)
 
 
 def listed_tail(programs: list, groups: int) -> float:
@@ -97,6 +100,48 @@ class StepLayout:
     prefill_tile: int = 64             # query tokens per prefill-kernel program (BLOCK_M)
     prefill_slots_per_sm: float = 0.0  # prefill programs an SM runs at once (0: no prefill
                                        # tail term)
+    sliding_window: int = 0            # tokens a sliding layer attends to (0: no such layers)
+    num_experts: int = 0               # routed experts of a MoE layer (0: a dense model)
+    experts_top_k: int = 0             # experts each token is routed to
+
+    @property
+    def has_window(self) -> bool:
+        return self.sliding_window > 0
+
+    @property
+    def has_experts(self) -> bool:
+        return self.num_experts > 0
+
+    def window_decode_tokens(self, num_decode_seqs: int, context_tokens: int,
+                             contexts=None) -> float:
+        """Context tokens one sliding layer's decode reads: sum of min(c, window) over the
+        decodes (`contexts`, any order); without them, min(context, decodes x window)."""
+        w = self.sliding_window
+        if not w or not num_decode_seqs:
+            return 0.0
+        if contexts is not None and len(contexts) == num_decode_seqs:
+            return float(sum(c if c < w else w for c in contexts))
+        return float(min(context_tokens, num_decode_seqs * w))
+
+    def window_prefill_pairs(self, chunks, pairs: int = 0) -> float:
+        """Query-key pairs of one sliding layer's prefill: per chunk (cached prefix, tokens),
+        each query attends to itself and at most window - 1 tokens before it. Without the
+        chunks, the full pairs (an upper bound)."""
+        w = self.sliding_window
+        if not w:
+            return 0.0
+        if chunks is None:
+            return float(pairs)
+        return float(sum(window_pairs(start, n, w) for start, n in chunks))
+
+    def experts_touched(self, num_tokens: int, rows: int) -> float:
+        """Expected distinct routed experts one MoE layer runs for a step of `num_tokens` tokens
+        computed as `rows` rows (a CUDA graph's padding rows are one repeated token, routed as
+        one more), under uniform routing (simkv.costmodel.features)."""
+        if not self.num_experts or num_tokens <= 0:
+            return 0.0
+        routed = num_tokens + (1 if rows > num_tokens else 0)
+        return _touched(self.num_experts, self.experts_top_k, routed)
 
     def mixed_size(self, num_tokens: int) -> int:
         """The captured mixed-step size a step of `num_tokens` is padded to (0: runs eagerly)."""
@@ -241,7 +286,24 @@ class StepLayout:
         return max(0.0, busiest - share)
 
     def to_json(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """The layout as fit.json holds it (the model's window and expert fields only where
+        set: a dense full-attention fit reads as before)."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        for key in ("sliding_window", "num_experts", "experts_top_k"):
+            if not out[key]:
+                del out[key]
+        return out
+
+
+def model_terms_of(meta: dict) -> dict:
+    """The layout fields a profile's model brings (sliding window, experts), from meta.json's
+    `model_terms` (simkv.profile.design.model_terms); a profile without them was made before
+    the terms, of a dense full-attention model: none."""
+    terms = meta.get("model_terms")
+    if isinstance(terms, dict):
+        return {k: int(terms.get(k) or 0) for k in ("sliding_window", "num_experts",
+                                                     "experts_top_k")}
+    return {}
 
 
 def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
@@ -267,7 +329,8 @@ def layout_from_meta(meta: dict, max_tokens: int) -> StepLayout:
                       decode_tile=int(tile), max_model_len=int(max_len or 0),
                       mixed_token_sizes=tuple(sorted(int(t) for t in
                                                      meta.get("mixed_token_sizes") or [])),
-                      max_num_seqs=int(meta.get("max_num_seqs") or 256))
+                      max_num_seqs=int(meta.get("max_num_seqs") or 256),
+                      **model_terms_of(meta))
 
 
 def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
@@ -300,10 +363,32 @@ def predict_step(coefs: dict, f, layout: StepLayout, block_size: int) -> float:
         seconds += coefs.get("c_mixed_seq_s", 0.0) * b + coefs.get("c_mixed_s", 0.0)
     if mixed:
         seconds += coefs.get("c_prefill_row_s", 0.0) * layout.rows(n, graph, True)
+    seconds += window_seconds(coefs, f, layout)
+    seconds += coefs.get("a_expert_s", 0.0) * layout.experts_touched(
+        n, layout.rows(n, graph, bool(mixed)))
     if graph:
         return seconds
     seconds += coefs["c_eager_s"]
     return max(seconds, coefs["host_floor_s"] + coefs["host_floor_s_per_seq"] * seqs)
+
+
+def window_seconds(coefs: dict, f, layout: StepLayout) -> float:
+    """The sliding layers' attention (the `window_attention` term): their decode reads and
+    prefill pairs, each bounded by the window (the full layers' are in the decode and prefill
+    terms, which count every context token and pair)."""
+    if not layout.has_window:
+        return 0.0
+    seconds = 0.0
+    a = coefs.get("a_window_decode_s_per_token", 0.0)
+    if a and f["num_decode_seqs"]:
+        seconds += a * layout.window_decode_tokens(f["num_decode_seqs"],
+                                                   f["decode_context_tokens"],
+                                                   f.get("decode_contexts"))
+    a = coefs.get("a_window_prefill_s_per_pair", 0.0)
+    if a and f["num_prefill_tokens"]:
+        seconds += a * layout.window_prefill_pairs(f.get("prefill_chunks"),
+                                                   f["prefill_attention_pairs"])
+    return seconds
 
 
 def transfer_seconds(coefs: dict, num_blocks: int, bytes_per_block: float) -> float:

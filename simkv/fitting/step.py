@@ -188,11 +188,12 @@ def _error_summary(steps: pd.DataFrame, pred, regime, mask, block_sizes: list) -
 def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
     """Fit the step model of every block size; choose the form by cross-validation on the
     training rows (the held-out rows are never seen before the final error)."""
-    steps = with_design_items(steps.reset_index(drop=True))
-    held = holdout_mask(steps)
+    steps = steps.reset_index(drop=True)
     layout = replace(layout_from_meta(meta or {}, int((steps["num_prefill_tokens"]
                                                        + steps["num_decode_tokens"]).max())),
                      decode_tail_in_order=True)
+    steps = with_design_items(steps, layout)
+    held = holdout_mask(steps)
     token_knots = list(layout.token_knots)
     block_sizes = sorted(int(b) for b in steps["block_size"].unique())
     train = steps[~held].reset_index(drop=True)
@@ -209,7 +210,7 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
 
     x, hx, eager, rows, _, unpack = joint_design(train, form, sharing, layout, block_sizes)
     c_all, h_all = _fit_rows(x, hx, train["time_s"].to_numpy(float)[rows], eager, bool(floor))
-    per_bs = {str(bs): pack_step_coefs(*unpack(c_all, h_all, i), form, token_knots)
+    per_bs = {str(bs): pack_step_coefs(*unpack(c_all, h_all, i), form, token_knots, layout)
               for i, bs in enumerate(block_sizes)}
     pred, regime = _predict_every_row(steps, per_bs, layout)
     return {
@@ -221,7 +222,7 @@ def fit_steps(steps: pd.DataFrame, meta: dict | None = None) -> dict:
         "batch_knots": list(BATCH_KNOTS) if FORMS[form] else [],
         "graph_batch_sizes": list(layout.graph_batch_sizes),
         "layout": layout.to_json(),
-        "coefficient_names": coef_names(form, token_knots),
+        "coefficient_names": coef_names(form, token_knots, layout),
         "step": per_bs,
         "holdout": {"rule": HOLDOUT_RULE,
                     "ids": sorted(set(steps.loc[held, "id"].astype(str))),

@@ -17,10 +17,16 @@ STEP_COLUMNS = (
 )
 CV_FOLDS = 5                # a row's fold: its position among its block size's rows % CV_FOLDS
 SHARED_TAIL = 5     # c_seq, c_mixed_seq, c_mixed, c_prefill_row, c_eager: the same for every
-                    # block size (host work, padding)
+                    # block size (host work, padding); a MoE model's a_expert after them
 
 
-def with_design_items(steps: pd.DataFrame) -> pd.DataFrame:
+def shared_tail(layout: StepLayout) -> int:
+    """Columns at the end of a row that every block size shares: SHARED_TAIL, and the experts'
+    column of a MoE model (expert weights read do not depend on the block size)."""
+    return SHARED_TAIL + (1 if layout.has_experts else 0)
+
+
+def with_design_items(steps: pd.DataFrame, layout: StepLayout | None = None) -> pd.DataFrame:
     """`steps` with a `decode_contexts` column: each row's decode context lengths in batch order,
     from the profiler's design by id, kept only where they agree with the row's own features
     (count, total and longest context); None otherwise (an id the design does not have, or a
@@ -28,7 +34,11 @@ def with_design_items(steps: pd.DataFrame) -> pd.DataFrame:
     `prefill_chunks` column: the row's (cached prefix, tokens) chunks from the design, kept where
     they agree with its prefill tokens and context (None: no prefill tail for the row)."""
     from simkv.profile.design import decode_contexts_by_id, prefill_chunks_by_id
-    lookup, chunk_lookup = decode_contexts_by_id(), prefill_chunks_by_id()
+    window = layout.sliding_window if layout is not None else 0
+    experts = (layout.num_experts, layout.experts_top_k) \
+        if layout is not None and layout.has_experts else ()
+    lookup = decode_contexts_by_id(window, experts)    # a model's window/expert compositions too
+    chunk_lookup = prefill_chunks_by_id(window, experts)
     contexts, chunks = [], []
     for row in steps[["id", "num_decode_seqs", "decode_context_tokens", "decode_max_context",
                       "num_prefill_tokens", "prefill_context_tokens"]].itertuples(index=False):
@@ -58,40 +68,56 @@ def feature_row(f, form: str, layout: StepLayout, block_size: int) -> list:
     row += [layout.decode_tail_tokens(b, f["decode_max_context"], ctx, graph, block_size, mixed,
                                       f.get("decode_contexts")),
             f["prefill_attention_pairs"], f["prefill_context_tokens"],
-            layout.prefill_tail_tokens(f.get("prefill_chunks")),
-            f["num_decode_seqs"] + f["num_prefill_seqs"],
+            layout.prefill_tail_tokens(f.get("prefill_chunks"))]
+    if layout.has_window:        # the sliding layers' reads and pairs, bounded by the window
+        row += [layout.window_decode_tokens(b, ctx, f.get("decode_contexts")) if b else 0.0,
+                layout.window_prefill_pairs(f.get("prefill_chunks"),
+                                            f["prefill_attention_pairs"])
+                if f["num_prefill_tokens"] else 0.0]
+    row += [f["num_decode_seqs"] + f["num_prefill_seqs"],
             float(b) if graph and mixed else 0.0,
             1.0 if graph and mixed else 0.0,
             float(layout.rows(n, graph, True)) if mixed else 0.0,
             0.0 if graph else 1.0]
+    if layout.has_experts:
+        row.append(layout.experts_touched(n, layout.rows(n, graph, bool(mixed))))
     return row
 
 
-def coef_names(form: str, token_knots) -> list:
+WINDOW_KEYS = ("a_window_decode_s_per_token", "a_window_prefill_s_per_pair")
+EXPERT_KEY = "a_expert_s"
+
+
+def _scalar_keys(layout: StepLayout | None) -> list:
+    """The scalar device-work coefficients after T_lin and a_decode, in column order."""
+    keys = ["a_decode_longest_s_per_token", "a_prefill_s_per_pair", "a_prefill_ctx_s_per_token",
+            "a_prefill_tail_s_per_token"]
+    if layout is not None and layout.has_window:
+        keys += list(WINDOW_KEYS)
+    keys += ["c_seq_s", "c_mixed_seq_s", "c_mixed_s", "c_prefill_row_s", "c_eager_s"]
+    if layout is not None and layout.has_experts:
+        keys.append(EXPERT_KEY)
+    return keys
+
+
+def coef_names(form: str, token_knots, layout: StepLayout | None = None) -> list:
     names = [f"t_linear_s@{k}" for k in token_knots]
     names += [f"a_decode_s_per_token@b{k}" for k in BATCH_KNOTS] if FORMS[form] \
         else ["a_decode_s_per_token"]
-    return names + ["a_decode_longest_s_per_token", "a_prefill_s_per_pair",
-                    "a_prefill_ctx_s_per_token", "a_prefill_tail_s_per_token", "c_seq_s",
-                    "c_mixed_seq_s", "c_mixed_s", "c_prefill_row_s", "c_eager_s",
-                    "host_floor_s",
-                    "host_floor_s_per_seq"]
+    return names + _scalar_keys(layout) + ["host_floor_s", "host_floor_s_per_seq"]
 
 
-def pack_step_coefs(c, h, form: str, token_knots) -> dict:
+def pack_step_coefs(c, h, form: str, token_knots, layout: StepLayout | None = None) -> dict:
     """Coefficient vectors (device work, host floor) -> the auditable dict in fit.json."""
     k = len(token_knots)
     c = np.asarray(c, float).copy()
     c[:k] = np.cumsum(c[:k])           # increments -> T_lin at each knot
     c = [round_sig(float(v)) for v in c]
     j = k + (len(BATCH_KNOTS) if FORMS[form] else 1)
-    return {"t_linear_s": c[:k], "a_decode_s_per_token": c[k:j],
-            "a_decode_longest_s_per_token": c[j],
-            "a_prefill_s_per_pair": c[j + 1], "a_prefill_ctx_s_per_token": c[j + 2],
-            "a_prefill_tail_s_per_token": c[j + 3],
-            "c_seq_s": c[j + 4], "c_mixed_seq_s": c[j + 5], "c_mixed_s": c[j + 6],
-            "c_prefill_row_s": c[j + 7], "c_eager_s": c[j + 8],
-            "host_floor_s": round_sig(float(h[0])), "host_floor_s_per_seq": round_sig(float(h[1]))}
+    out = {"t_linear_s": c[:k], "a_decode_s_per_token": c[k:j]}
+    out.update(zip(_scalar_keys(layout), c[j:]))
+    out.update(host_floor_s=round_sig(float(h[0])), host_floor_s_per_seq=round_sig(float(h[1])))
+    return out
 
 
 def design_matrix(df: pd.DataFrame, form: str, layout: StepLayout, block_size: int) -> tuple:
@@ -121,14 +147,15 @@ def joint_design(steps: pd.DataFrame, form: str, sharing: str, layout: StepLayou
     parts = [design_matrix(steps[steps["block_size"] == bs], form, layout, bs)
              for bs in block_sizes]
     p = parts[0][0].shape[1]
-    m = p - k - SHARED_TAIL                     # attention columns
+    tail = shared_tail(layout)
+    m = p - k - tail                     # attention columns
     xs, hxs = [], []
     for i, (x, hx, _) in enumerate(parts):
         if sharing == "shared":
-            big = np.zeros((len(x), k + nbs * m + SHARED_TAIL))
+            big = np.zeros((len(x), k + nbs * m + tail))
             big[:, :k] = x[:, :k]
             big[:, k + i * m:k + (i + 1) * m] = x[:, k:k + m]
-            big[:, -SHARED_TAIL:] = x[:, -SHARED_TAIL:]
+            big[:, -tail:] = x[:, -tail:]
             hbig = hx
         else:
             big = np.zeros((len(x), nbs * p))
@@ -143,7 +170,7 @@ def joint_design(steps: pd.DataFrame, form: str, sharing: str, layout: StepLayou
 
     def unpack(c, h, i):
         if sharing == "shared":
-            return np.concatenate([c[:k], c[k + i * m:k + (i + 1) * m], c[-SHARED_TAIL:]]), h
+            return np.concatenate([c[:k], c[k + i * m:k + (i + 1) * m], c[-tail:]]), h
         return c[i * p:(i + 1) * p], h[2 * i:2 * i + 2]
 
     return (np.vstack(xs), np.vstack(hxs), np.concatenate([e for _, _, e in parts]), rows,

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,8 +142,48 @@ def _serving_like_grid(add) -> None:
             _decode(24, 1024) + _chunks(1, total - 24, 0))
 
 
-def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
-    """The grid, in a fixed order (the fit's hold-out rule counts positions in it)."""
+def _window_grid(add, window: int) -> None:
+    """A model with sliding layers: its window layers read at most `window` tokens of each
+    context, its full layers all of them. Decode batches and prefill chunks at contexts below,
+    at and well past the window (and batches that mix both), so that the sliding layers' reads
+    and pairs vary apart from the full layers'."""
+    for b in (2, 16, 64, 128):
+        for f in (0.5, 1, 3, 12):
+            ctx = max(2, round(window * f))
+            add(f"decode/win/b{b}/c{ctx}", "decode", _decode(b, ctx))
+    for b in (32, 96):
+        add(f"decode/win/het/{b // 2}x{window // 2}+{b // 2}x{window * 8}", "decode",
+            _decode(b // 2, max(2, window // 2)) + _decode(b // 2, window * 8))
+    for t, p in ((window, 0), (window, window * 4), (4 * window, 0), (2 * window, window * 8)):
+        add(f"prefill/win/1x{t}+p{p}", "prefill", _chunks(1, t, p))
+    for b, t, p in ((16, window, window * 4), (64, 256, window * 2)):
+        add(f"mixed/win/d{b}c{window * 3}/1x{t}+p{p}", "mixed",
+            _decode(b, window * 3) + _chunks(1, t, p))
+
+
+def _expert_grid(add, num_experts: int, top_k: int) -> None:
+    """A MoE model: a step's layers run the experts its tokens touch, E x (1 - (1 - k/E)^T)
+    in expectation for T tokens, which grows fastest where T x k is below a few times E. Decode
+    batches and small prefill chunks there, at token counts between the captured graph sizes
+    (a graph's padding rows route as one more token) and between T_lin's knots."""
+    saturated = max(2, math.ceil(4 * num_experts / top_k))   # nearly every expert touched
+    counts = sorted({int(round(x)) for x in np.geomspace(3, saturated, 7)}
+                    - {2 ** i for i in range(10)})         # not at a captured graph size
+    for b in counts:
+        add(f"decode/moe/b{b}/c512", "decode", _decode(b, 512))
+        add(f"decode/moe/b{b}/c2048", "decode", _decode(b, 2048))
+    for t in counts:
+        if t >= 2:
+            add(f"prefill/moe/1x{t}+p1024", "prefill", _chunks(1, t, 1024))
+    for b, t in ((3, 20), (12, 40)):
+        add(f"mixed/moe/d{b}c1024/1x{t}+p0", "mixed", _decode(b, 1024) + _chunks(1, t, 0))
+
+
+def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS,
+           window: int = 0, experts: tuple = ()) -> list:
+    """The grid, in a fixed order (the fit's hold-out rule counts positions in it). `window`
+    (a model with sliding layers) and `experts` ((num_experts, top_k) of a MoE model) append
+    the window- and expert-aware compositions after the rest (the quick grid gets a few)."""
     points = []
 
     def add(pid, family, items):
@@ -154,30 +195,65 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> l
                                           _serving_like_grid)
     for grid in grids:
         grid(add)
+    if quick:
+        if window:
+            for b, ctx in ((2, 2 * window), (4, 3 * window)):
+                add(f"decode/win/b{b}/c{ctx}", "decode", _decode(b, ctx))
+            add(f"prefill/win/1x{window}+p{2 * window}", "prefill", _chunks(1, window, 2 * window))
+        if experts:
+            for b in (2, 3, 6):
+                add(f"decode/moe/b{b}/c24", "decode", _decode(b, 24))
+        return points
+    if window:
+        _window_grid(add, window)
+    if experts:
+        _expert_grid(add, *experts)
     return points
 
 
-@functools.lru_cache(maxsize=1)
-def decode_contexts_by_id() -> dict:
-    """id -> the composition's decode context lengths in batch order, for the full and the quick
-    grid: the order the decode kernel launches their programs in (the fit's in-order tail)."""
-    out = {}
+def model_terms(model) -> dict:
+    """What meta.json records of `model` (a ModelSpec) for the window and expert terms: the
+    window where some layers slide, the routed experts and top-k where it has experts."""
+    types = tuple(getattr(model, "attention_types", ()) or ())
+    window = int(model.sliding_window or 0) if "sliding_attention" in types else 0
+    e = model.experts if getattr(model, "is_moe", False) else None
+    return {"sliding_window": window, "num_experts": int(e.num_experts) if e else 0,
+            "experts_top_k": int(e.top_k) if e else 0}
+
+
+def design_for(model, quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
+    """The grid for `model` (a ModelSpec): its window and expert compositions where it has
+    sliding layers or experts (model_terms)."""
+    terms = model_terms(model)
+    experts = (terms["num_experts"], terms["experts_top_k"]) if terms["num_experts"] else ()
+    return design(quick, max_cached_tokens, terms["sliding_window"], experts)
+
+
+def _all_points(window: int = 0, experts: tuple = ()):
     for quick in (False, True):
-        for point in design(quick):
-            out.setdefault(point.id, tuple(s + 1 for s, _, is_decode in point.items
-                                           if is_decode))
+        yield from design(quick, window=window, experts=experts)
+
+
+@functools.lru_cache(maxsize=8)
+def decode_contexts_by_id(window: int = 0, experts: tuple = ()) -> dict:
+    """id -> the composition's decode context lengths in batch order, for the full and the quick
+    grid (with a model's window and expert compositions): the order the decode kernel launches
+    their programs in (the fit's in-order tail)."""
+    out = {}
+    for point in _all_points(window, experts):
+        out.setdefault(point.id, tuple(s + 1 for s, _, is_decode in point.items if is_decode))
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def prefill_chunks_by_id() -> dict:
+@functools.lru_cache(maxsize=8)
+def prefill_chunks_by_id(window: int = 0, experts: tuple = ()) -> dict:
     """id -> the composition's prefill chunks (cached prefix, chunk tokens) of two or more
-    tokens, in batch order, for the full and the quick grid (the fit's prefill tail)."""
+    tokens, in batch order, for the full and the quick grid (the fit's prefill tail; with a
+    model's window and expert compositions)."""
     out = {}
-    for quick in (False, True):
-        for point in design(quick):
-            out.setdefault(point.id, tuple((s, n) for s, n, is_decode in point.items
-                                           if not is_decode and n >= 2))
+    for point in _all_points(window, experts):
+        out.setdefault(point.id, tuple((s, n) for s, n, is_decode in point.items
+                                       if not is_decode and n >= 2))
     return out
 
 

@@ -39,12 +39,14 @@ def _meta(model, device, executor_dtype, block_sizes, quick, graph_sizes, comman
           smi_before=None) -> dict:
     import torch
     import triton
+    from simkv.profile.design import model_terms
     meta = {
         "model": model.name,
         "model_shape": {k: getattr(model, k) for k in (
             "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
             "intermediate_size", "vocab_size")},
         "kv_bytes_per_token": model.kv_bytes_per_token("bf16"),
+        "model_terms": model_terms(model),     # the window and expert terms' settings
         "dtype": str(executor_dtype).replace("torch.", ""),
         "kv_dtype": "bf16" if executor_dtype == torch.bfloat16 else str(executor_dtype),
         "block_sizes": list(block_sizes),

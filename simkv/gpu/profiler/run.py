@@ -19,7 +19,7 @@ from simkv.gpu.profiler.meta import _meta, _nvidia_smi, gpu_short_name
 from simkv.gpu.profiler.output import _write
 from simkv.gpu.profiler.parts import GIB, LEDGER_BLOCK_SIZE, MAX_NUM_SEQS, PARTS
 from simkv.gpu.profiler.transfers import profile_transfers
-from simkv.profile.design import design
+from simkv.profile.design import MAX_CACHED_TOKENS, design_for
 
 # Compositions run before the ledger when the step grid is not measured, so that the run peak
 # it records is a serving-like one.
@@ -79,7 +79,8 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
     pin_to_cpu(pin_cpu)
     model = load_model(model_name)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    run = _Pass(model, dev, seed, np.random.default_rng(seed), design(quick),
+    run = _Pass(model, dev, seed, np.random.default_rng(seed),
+                design_for(model, quick, cached_token_cap(model, dev)),
                 reps or (2 if quick else 5), quick, parts, log, started)
     writes = True
     if tensor_parallel is not None:
@@ -136,6 +137,21 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
             _write(out, meta, run.data)
     log(f"wrote {out} ({len(run.data['steps'])} step rows, {meta['profile_seconds']} s)")
     return out
+
+
+KV_ROOM_MARGIN = 12 * GIB     # activations, graphs and workspaces beside weights and the pool
+
+
+def cached_token_cap(model, dev) -> int:
+    """The most KV tokens a composition may hold on `dev`: MAX_CACHED_TOKENS, or on a GPU what
+    its free memory holds once the bf16 weights and KV_ROOM_MARGIN are taken (a 27B's 62 layers
+    of KV take 0.5 MB a token: 600,000 tokens would not fit beside its weights)."""
+    if dev.type != "cuda":
+        return MAX_CACHED_TOKENS
+    import torch
+    free, _ = torch.cuda.mem_get_info(dev)
+    room = free - 2 * model.num_params - KV_ROOM_MARGIN
+    return max(0, min(MAX_CACHED_TOKENS, room // model.kv_bytes_per_token("bf16")))
 
 
 def _engine_pass(run: _Pass) -> None:
