@@ -180,15 +180,17 @@ def _expert_grid(add, num_experts: int, top_k: int) -> None:
 
 
 def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS,
-           window: int = 0, experts: tuple = ()) -> list:
+           window: int = 0, experts: tuple = (), max_model_len: int = 0) -> list:
     """The grid, in a fixed order (the fit's hold-out rule counts positions in it). `window`
     (a model with sliding layers) and `experts` ((num_experts, top_k) of a MoE model) append
-    the window- and expert-aware compositions after the rest (the quick grid gets a few)."""
+    the window- and expert-aware compositions after the rest (the quick grid gets a few).
+    `max_model_len`: compositions with a longer sequence are left out (0: none)."""
     points = []
 
     def add(pid, family, items):
         cached = sum(s + n for s, n, _ in items)
-        if cached <= max_cached_tokens:
+        too_long = max_model_len and max(s + n for s, n, _ in items) > max_model_len
+        if cached <= max_cached_tokens and not too_long:
             points.append(Point(pid, family, items))
 
     grids = (_quick_grid,) if quick else (_decode_grid, _prefill_grid, _mixed_grid,
@@ -223,10 +225,11 @@ def model_terms(model) -> dict:
 
 def design_for(model, quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS) -> list:
     """The grid for `model` (a ModelSpec): its window and expert compositions where it has
-    sliding layers or experts (model_terms)."""
+    sliding layers or experts (model_terms), none longer than its max_position_embeddings."""
     terms = model_terms(model)
     experts = (terms["num_experts"], terms["experts_top_k"]) if terms["num_experts"] else ()
-    return design(quick, max_cached_tokens, terms["sliding_window"], experts)
+    return design(quick, max_cached_tokens, terms["sliding_window"], experts,
+                  model.max_position_embeddings)
 
 
 def _all_points(window: int = 0, experts: tuple = ()):
