@@ -14,6 +14,7 @@ import numpy as np
 # KV tokens of the largest composition (75 GiB for an 8B): serving decode batches of 192-256
 # sequences at 2,048 tokens of context reach 400,000-520,000 (docs/validation.md).
 MAX_CACHED_TOKENS = 600_000
+TOKEN_STRIDE = 997        # sequence i of a composition reads the token ids from i x 997 on
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,7 +264,10 @@ def prefill_chunks_by_id(window: int = 0, experts: tuple = ()) -> dict:
 def step_plan(items, block_size: int, tables=None, tokens=None):
     """A StepPlan of fresh sequences, one per item (start, num_tokens, is_decode), with the
     scheduler's features. `tables`: each sequence's block table (default: blocks numbered from
-    0 in order, nothing shared); `tokens`: the real engine's token ids (None to only predict)."""
+    0 in order, nothing shared); `tokens`: the real engine's token ids (None to only predict),
+    sequence i reading them from i x TOKEN_STRIDE on: sequences at the same position then feed
+    different tokens, so a MoE layer routes them as serving's different prompts do (one list
+    for all made every sequence of a uniform batch pick the same top-k experts)."""
     from simkv.engine.plan import ScheduledSeq, StepPlan
     from simkv.engine.request import Sequence
     scheduled, used = [], 0
@@ -274,8 +278,12 @@ def step_plan(items, block_size: int, tables=None, tokens=None):
             used += blocks
         else:
             table = list(tables[i])
+        ids = None
+        if tokens is not None:      # each sequence its own window of the ids (see the docstring)
+            offset = (i * TOKEN_STRIDE) % max(1, len(tokens) - (start + n) + 1)
+            ids = tokens[offset:offset + start + n]
         seq = Sequence(seq_id=i, request=None, sample=0, num_tokens=start + n,
-                       num_computed_tokens=start, block_table=table, token_ids=tokens)
+                       num_computed_tokens=start, block_table=table, token_ids=ids)
         scheduled.append(ScheduledSeq(seq, start, n, is_decode))
     plan = StepPlan(step=0, now_s=0.0, scheduled=scheduled)
     for key, value in features(items).items():
