@@ -313,7 +313,8 @@ COMMITTED = sorted((profiles_dir() / "h200").glob("*/fit.json"))
 def test_committed_profiles_refit_to_their_committed_fit(committed, tmp_path):
     refit = F.fit_profile(committed.parent, out=tmp_path)
     assert same_to_rounding(refit, json.loads(committed.read_text()))
-    assert refit["block_sizes"] == [8, 16, 32, 64, 128]
+    profiled = json.loads((committed.parent / "meta.json").read_text())["block_sizes"]
+    assert refit["block_sizes"] == sorted(profiled)     # every block size the profile measured
     assert refit["holdout"]["rows"] > 0 and refit["holdout"]["ids"]
 
 
