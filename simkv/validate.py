@@ -100,10 +100,11 @@ def measure_command(scenarios, out_dir="results/validation", device: str = "cuda
     return 0
 
 
-def compare_needs_out(cost_model=None, gpu_clock=None, calibrate: bool = False):
+def compare_needs_out(cost_model=None, gpu_clock=None, calibrate: bool = False, set_=None):
     """Why a comparison with these choices needs an explicit --out, or None when it does not."""
     used = [flag for flag, value in (("--cost-model", cost_model), ("--gpu-clock", gpu_clock),
-                                     ("--calibrate-saturated", calibrate or None))
+                                     ("--calibrate-saturated", calibrate or None),
+                                     ("--set", set_ or None))
             if value is not None]
     if not used:
         return None
@@ -112,18 +113,20 @@ def compare_needs_out(cost_model=None, gpu_clock=None, calibrate: bool = False):
 
 
 def compare_command(scenario, measured, out=None, *, cost_model=None, gpu_clock=None,
-                    calibrate: bool = False, plots: bool = True) -> int:
+                    calibrate: bool = False, plots: bool = True, set_=None) -> int:
     """`simkv validate compare` (CPU side): the simulator against a measurement; prints the table.
 
     `cost_model` (auto | profile | roofline | a fit.json path, taken from the working
     directory) and `gpu_clock` (auto | fixed) replace the scenario's; with either, or with
-    `calibrate`, `out` must be given.
+    `calibrate`, `out` must be given. `set_`: KEY=VALUE scenario overrides (as `simkv run
+    --set`), e.g. the request path's delays (docs/semantics.md); they too need `out`.
     """
-    problem = compare_needs_out(cost_model, gpu_clock, calibrate) if out is None else None
+    problem = compare_needs_out(cost_model, gpu_clock, calibrate, set_) if out is None else None
     if problem:
         raise InputError(problem)
     scn = load_validation_scenario(scenario)
-    overrides = {}
+    from simkv.config.keys import parse_set
+    overrides = parse_set(list(set_ or ()))
     if cost_model is not None:
         overrides["cost_model"] = (cost_model if cost_model in ("auto", "profile", "roofline")
                                    else str(Path(cost_model).resolve()))
@@ -168,6 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-saturated", action="store_true",
                    help="scale the step times so that the simulated all-at-zero run lasts as "
                         "long as the measured saturated run, then compare")
+    p.add_argument("--set", dest="set_", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key (repeatable), e.g. the request path's delays")
     return parser
 
 
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.verb == "compare" and args.out is None:
-        problem = compare_needs_out(args.cost_model, args.gpu_clock, args.calibrate_saturated)
+        problem = compare_needs_out(args.cost_model, args.gpu_clock, args.calibrate_saturated,
+                                    args.set_)
         if problem:
             parser.error(problem)
     try:
@@ -188,7 +194,8 @@ def main(argv=None) -> int:
                                    pin_cpu=args.pin_cpu)
         return compare_command(args.scenario, args.measured, args.out,
                                cost_model=args.cost_model, gpu_clock=args.gpu_clock,
-                               calibrate=args.calibrate_saturated, plots=not args.no_plots)
+                               calibrate=args.calibrate_saturated, plots=not args.no_plots,
+                               set_=args.set_)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,8 @@
     python scripts/vllm_device/table.py --step-profile     # vLLM's own step times
 
 Per scenario and comparison ((a) bundled: the H200 profile as is; (b) calibrated: step times
-scaled to vLLM's saturated run), simkv's error per metric judged on the mean of the runs:
+scaled to vLLM's saturated run; (c) vLLM's own step profile, without and with the request
+path's delays, compare_all.sh's PATH_SET), simkv's error per metric judged on the mean of the runs:
 mean(simulated) / mean(measured) - 1 over the scenario's runs (one run: that run's error),
 with num_blocks against vLLM's own count (`vllm_num_gpu_blocks`, its null block included);
 then vLLM's spread between its (first two) runs, |second - first| / their mean; then the
@@ -27,10 +28,12 @@ METRICS = ("ttft_s.mean", "ttft_s.p90", "tpot_s.mean", "e2e_s.mean",
            "throughput_output_tokens_per_s", "preemptions", "running_peak")
 HEADER = ("TTFT mean", "TTFT p90", "TPOT mean", "E2E mean", "output tok/s", "preemptions",
           "peak running")
-PASSES = ("bundled", "calibrated", "vllm-profile")
+PASSES = ("bundled", "calibrated", "vllm-profile", "vllm-profile-path")
 LABEL = {"bundled": "(a) bundled profile", "calibrated": "(b) calibrated",
-         "vllm-profile": "(c) vLLM's step profile"}
-JUDGED = ("calibrated", "vllm-profile")      # the comparisons the aims apply to
+         "vllm-profile": "(c) vLLM's step profile",
+         "vllm-profile-path": "(c) with the request path"}
+# the comparisons the aims apply to
+JUDGED = ("calibrated", "vllm-profile", "vllm-profile-path")
 ORDER = ("azure-conv-load60-bs16", "bursty-cancel-n2-bs16", "mooncake-prefix-bs16",
          "azure-conv-load90-bs16")
 ENGINE_RUNS = Path("profiles/h200/llama-3.1-8b/validation")

@@ -127,6 +127,9 @@ def validate_compare(
     calibrate_saturated: bool = typer.Option(
         False, "--calibrate-saturated", help="Scale the step times so that the simulated "
         "all-at-zero run lasts as long as the measured saturated run, then compare; needs --out."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a scenario key: KEY=VALUE (repeatable), e.g. "
+        "scheduler.admission_delay_s (the request path, docs/semantics.md); needs --out."),
 ) -> int:
     """CPU side: the simulator serves the measured requests; errors per metric, plots, JSON."""
     from simkv.errors import InputError
@@ -136,7 +139,7 @@ def validate_compare(
     compare_command = require("simkv.validate", "compare_command", "validate compare")
     return compare_command(str(scenario), str(measured), None if out is None else str(out),
                            cost_model=cost_model, gpu_clock=gpu_clock,
-                           calibrate=calibrate_saturated, plots=not no_plots)
+                           calibrate=calibrate_saturated, plots=not no_plots, set_=set_)
 
 
 @validate_app.command("diagnostics")

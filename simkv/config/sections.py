@@ -38,6 +38,10 @@ class SchedulerConfig:
     policy: str = "fcfs"                        # fcfs | priority (admission order and victims)
     max_loras: Optional[int] = None             # distinct adapters per step (None = no limit)
     async_scheduling: bool = False              # schedule step k+1 as step k starts (vLLM v0.26)
+    # the request's way outside the steps (docs/semantics.md, "The request path"); 0 = none
+    admission_delay_s: float = 0.0              # trace arrival -> schedulable by the engine
+    output_delay_s: float = 0.0                 # a step's end -> the client holds its tokens
+    output_delay_per_running_s: float = 0.0     # ... plus this per request running in the step
     # rules that follow `semantics:` when left null (simkv.semantics)
     reserve_full_prompt: Optional[bool] = None  # admit only when the whole prompt's blocks fit
     parallel_sampling: Optional[str] = None     # fanout (n child requests) | fork

@@ -97,13 +97,16 @@ class Simulation:
     def _arrivals(self, requests):
         env = self.env
         scheduler = self.scheduler
+        # the request path's way in (scheduler.admission_delay_s): schedulable that long after
+        # its trace arrival; its cancellation timer still counts from the arrival
+        admission = self.scenario.scheduler.admission_delay_s
         for req in requests:
-            delay = req.arrival_s - env.now
+            delay = req.arrival_s + admission - env.now
             if delay > 0:
                 yield env.timeout(delay)
             scheduler.add_request(req, env.now)
             if not math.isnan(req.cancel_after_s):
-                ev = env.timeout(req.cancel_after_s)
+                ev = env.timeout(max(0.0, req.cancel_after_s - admission))
                 ev.callbacks.append(lambda _ev, rid=req.request_id: self._cancel(rid))
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
@@ -161,6 +164,10 @@ class Simulation:
         sim_duration = self._served_s if self._served_s is not None else self.env.now
         req_df = requests_frame(self.scheduler.done)
         steps_df = self.recorder.steps_frame()
+        sched_cfg = self.scenario.scheduler
+        if sched_cfg.output_delay_s or sched_cfg.output_delay_per_running_s:
+            req_df = client_times(req_df, steps_df, sched_cfg.output_delay_s,
+                                  sched_cfg.output_delay_per_running_s)
         if executor.terms:     # --step-terms: a column per cost term, in seconds
             terms = pd.DataFrame(executor.terms).add_prefix("term_")
             steps_df = pd.concat([steps_df, terms.set_index(steps_df.index)], axis=1)
@@ -170,6 +177,9 @@ class Simulation:
                             slo=self.scenario.slo, cost_model=self.cost_model.name,
                             block_size=self.scenario.cache.block_size)
         summary["wall_time_s"] = time.perf_counter() - wall_start
+        path = request_path(sched_cfg)
+        if path:
+            summary["request_path"] = path
         add_input_notes(summary, self.frame)
         extra = {"sizing": self.sizing.to_dict() if hasattr(self.sizing, "to_dict") else {},
                  "dropped": dict(self.frame.attrs.get("dropped", {})),
@@ -183,6 +193,63 @@ class Simulation:
             summary["cost_model_note"] = getattr(self.cost_model, "note", "estimate from specs")
         return SimResult(summary, req_df.drop(columns=["queue_s"]), steps_df, self.scenario,
                          extra, provenance(self.scenario, self.cost_model))
+
+
+def refuse_request_path(scenario, where: str) -> None:
+    """InputError when `scenario` sets a request-path delay that `where` does not apply."""
+    from simkv.errors import InputError
+    path = request_path(scenario.scheduler)
+    if path:
+        key = next(k for k, v in path.items() if v)
+        raise InputError(f"scheduler.{key}: {where} does not model the request path "
+                         "(docs/semantics.md); set it to 0")
+
+
+def request_path(sched) -> dict | None:
+    """The scenario's request-path term (docs/semantics.md, "The request path"), None when it
+    has none (every delay 0)."""
+    keys = ("admission_delay_s", "output_delay_s", "output_delay_per_running_s")
+    values = {k: float(getattr(sched, k)) for k in keys}
+    return values if any(values.values()) else None
+
+
+def client_times(req_df: pd.DataFrame, steps_df: pd.DataFrame, delay_s: float,
+                 per_running_s: float) -> pd.DataFrame:
+    """The requests as the client sees them: each output reaches it `delay_s` +
+    `per_running_s` x (requests running in the step that made it) after that step's end, so a
+    request's first token and its finish move by the delays of their own steps (TTFT, E2E and
+    TPOT follow). The steps and the inter-token gaps stay on the engine's clock."""
+    out = req_df.copy()
+    ends = (steps_df["start_s"] + steps_df["duration_s"]).to_numpy(dtype=np.float64)
+    running = steps_df["num_running"].to_numpy(dtype=np.float64)
+
+    def delay(times: np.ndarray) -> np.ndarray:
+        d = np.full(len(times), float(delay_s))
+        if per_running_s and len(ends):
+            # the step whose end is the time (the output's step), to rounding
+            k = np.clip(np.searchsorted(ends, times - 1e-9), 0, len(ends) - 1)
+            hit = np.isfinite(times) & (np.abs(ends[k] - times) <= 1e-9 * np.maximum(1.0, times))
+            d[hit] += per_running_s * running[k[hit]]
+        return d
+
+    done = (out["status"] == "completed").to_numpy()
+    first = out["first_token_s"].to_numpy(dtype=np.float64)
+    finish = out["finish_s"].to_numpy(dtype=np.float64)
+    d_first, d_finish = delay(first), delay(finish)
+    first_new = np.where(np.isfinite(first), first + d_first, first)
+    finish_new = np.where(done, finish + d_finish, finish)
+    arrival = out["arrival_s"].to_numpy(dtype=np.float64)
+    n = out["output_tokens"].to_numpy(dtype=np.float64)
+    out["first_token_s"] = first_new
+    out["finish_s"] = finish_new
+    out["ttft_s"] = np.where(done, first_new - arrival, out["ttft_s"])
+    out["e2e_s"] = np.where(done, finish_new - arrival, out["e2e_s"])
+    # TPOT moves by the difference of the two delays over the gaps (a fanned-out request's,
+    # its children's mean, by its first and last sample's)
+    tpot = out["tpot_s"].to_numpy(dtype=np.float64)
+    out["tpot_s"] = np.where(done & (n > 1), tpot + (d_finish - d_first) / np.maximum(n - 1, 1),
+                             tpot)
+    return out
 
 
 class _NoProgress:

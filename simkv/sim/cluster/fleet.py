@@ -130,6 +130,10 @@ class Fleet:
                  cost_model=None, step_terms: bool = False, exact: bool = False):
         self.scenario = scenario
         self.cluster = cluster = scenario.cluster
+        from simkv.sim.engine import refuse_request_path
+        refuse_request_path(scenario, "a fleet")
+        for pool in cluster.pools:
+            refuse_request_path(pool.scenario, "a fleet")
         self.frame = trace_df if trace_df is not None else load_requests_frame(scenario)
         self.check_integrity = check_integrity
         self.env = simpy.Environment()
