@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections import Counter
+from functools import reduce
+from operator import add, mul
 
 import numpy as np
 import pandas as pd
@@ -41,7 +44,8 @@ class MetricsRecorder:
         self.used_peak = 0
         self.running_peak = 0
         self.waiting_peak = 0
-        self.blocks_per_seq_hist = [0] * 64
+        self._hist = [0] * 64           # sequence-steps at each table length (decode runs)
+        self._table_lengths = Counter()  # the same, of observed steps
         self.num_steps = 0
         self._observed = None
         # KV cache groups (a hybrid model's manager keeps `group_used`): blocks in use per group
@@ -60,19 +64,12 @@ class MetricsRecorder:
         token slots allocated but not holding a token once this step's tokens are written,
         running sequences and their block counts."""
         kv = scheduler.kv
-        hist = self.blocks_per_seq_hist
-        size = len(hist)
-        blocks = computed = running = 0
-        for req in scheduler.running:
-            for seq in req.seqs:
-                running += 1
-                nb = len(seq.block_table)
-                blocks += nb
-                computed += seq.num_computed_tokens
-                if nb >= size:
-                    hist.extend([0] * (nb + 1 - size))
-                    size = len(hist)
-                hist[nb] += 1
+        seqs = [seq for req in scheduler.running for seq in req.seqs]
+        lengths = [len(seq.block_table) for seq in seqs]
+        self._table_lengths.update(lengths)
+        running = len(seqs)
+        blocks = sum(lengths)
+        computed = sum([seq.num_computed_tokens for seq in seqs])
         slots = kv.allocated_slots(blocks, scheduler.running)
         slot_waste = slots - computed - plan.num_tokens
         self._observed = (plan.step, plan.kv_blocks_used, slot_waste, running)
@@ -137,17 +134,15 @@ class MetricsRecorder:
         self._run_starts.extend(ends[:m])
         self._run_durations.extend(durations)
         self._run_used.extend(used_rows)
-        busy, used_s, frag, running_s = self.busy_s, self.used_block_s, self.frag_s, \
-            self.running_seq_s
+        # the sums as record_step adds them, step after step (reduce adds left to right: the
+        # same floats)
         scale = self.block_size
-        for d, used, waste in zip(durations, used_rows, waste_rows):
-            busy += d
-            used_s += used * d
-            if used:
-                frag += d * waste / (used * scale)
-            running_s += n * d
-        self.busy_s, self.used_block_s, self.frag_s, self.running_seq_s = busy, used_s, frag, \
-            running_s
+        self.busy_s = reduce(add, durations, self.busy_s)
+        self.used_block_s = reduce(add, map(mul, used_rows, durations), self.used_block_s)
+        self.frag_s = reduce(add, [d * waste / (used * scale) for d, used, waste
+                                   in zip(durations, used_rows, waste_rows) if used],
+                             self.frag_s)
+        self.running_seq_s = reduce(add, [n * d for d in durations], self.running_seq_s)
         peak = max(used_rows)
         if peak > self.used_peak:
             self.used_peak = peak
@@ -155,12 +150,25 @@ class MetricsRecorder:
             self.running_peak = n
         if plan.num_waiting > self.waiting_peak:
             self.waiting_peak = plan.num_waiting
-        hist = self.blocks_per_seq_hist
+        hist = self._hist
         top = max(table_steps)
         if top >= len(hist):
             hist.extend([0] * (top + 1 - len(hist)))
         for length, count in table_steps.items():
             hist[length] += count
+
+    @property
+    def blocks_per_seq_hist(self) -> list:
+        """Sequence-steps at each block-table length (index: blocks), over every step, at
+        least 64 entries."""
+        hist = list(self._hist)
+        if self._table_lengths:
+            top = max(self._table_lengths)
+            if top >= len(hist):
+                hist.extend([0] * (top + 1 - len(hist)))
+            for length, count in self._table_lengths.items():
+                hist[length] += count
+        return hist
 
     def steps_frame(self) -> pd.DataFrame:
         """The step rows in step order: the single steps' and the decode runs' (each run's rows

@@ -185,23 +185,39 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Running requests first, in admission order, preempting when slots run out; returns
         the token budget left."""
-        scheduled = plan.scheduled
+        append = plan.scheduled.append
         running = self.running
-        allocate = self.kv.allocate_slots
+        kv = self.kv
+        allocate = kv.allocate_slots
+        # a paged manager's test for a decode token that lands in the sequence's own partial
+        # tail block (its allocate_slots' first case), made here without the call
+        in_place = getattr(kv, "tail_append", None)
+        bs, ref_cnt, cache_full = in_place() if in_place is not None else (0, None, None)
         i = 0
-        while i < len(running) and budget > 0:
+        count = len(running)
+        while i < count and budget > 0:
             req = running[i]
             seqs = req.seqs
             if len(seqs) == 1:        # the common case, a one-sequence decode, without ceremony
                 seq = seqs[0]
                 computed = seq.num_computed_tokens
-                if seq.num_tokens - computed == 1 and computed >= req.prompt_tokens \
-                        and allocate(seq, 1):
-                    scheduled.append(ScheduledSeq(seq, computed, 1, True))
-                    budget -= 1
-                    i += 1
-                    continue
+                if seq.num_tokens - computed == 1 and computed >= req.prompt_tokens:
+                    if bs and computed % bs:
+                        table = seq.block_table
+                        if len(table) == computed // bs + 1 and ref_cnt[table[-1]] == 1:
+                            if cache_full is not None and (computed + 1) % bs == 0:
+                                cache_full(seq, computed + 1)
+                            append(ScheduledSeq(seq, computed, 1, True))
+                            budget -= 1
+                            i += 1
+                            continue
+                    if allocate(seq, 1):
+                        append(ScheduledSeq(seq, computed, 1, True))
+                        budget -= 1
+                        i += 1
+                        continue
             i, budget = self._schedule_request(plan, req, i, budget)
+            count = len(running)
             if self._stop_running:
                 self._stop_running = False
                 break
@@ -471,13 +487,14 @@ class Scheduler:
     def finish_step(self, plan: StepPlan, outputs: dict | None = None, now: float = 0.0) -> None:
         """Apply a step's results at its end time `now`: computed tokens, sampled tokens (the
         real engine passes seq_id -> token id; the simulator passes None), forks, finishes."""
-        itl = self.itl_s
+        gap = self.itl_s.append
         for item in plan.scheduled:
             seq = item.seq
             req = seq.request
             computed = seq.num_computed_tokens + item.num_tokens
             seq.num_computed_tokens = computed
-            if req.n > 1 and len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
+            several = req.n > 1
+            if several and len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
                     and computed >= req.prompt_tokens:
                 self._refork(plan, req, seq)
             if computed < seq.num_tokens:
@@ -488,11 +505,11 @@ class Scheduler:
             out = seq.num_output_tokens + 1
             seq.num_output_tokens = out
             if out > 1:
-                itl.append(now - seq.last_token_s)
+                gap(now - seq.last_token_s)
             elif req.first_token_s != req.first_token_s:
                 req.first_token_s = now       # first token of the request (NaN check)
             seq.last_token_s = now
-            if req.n > 1 and len(req.all_seqs) == 1:
+            if several and len(req.all_seqs) == 1:
                 self._fork(plan, req, seq)
             if out >= req.output_tokens:
                 self._finish_seqs(req, now)

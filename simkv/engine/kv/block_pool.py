@@ -83,10 +83,11 @@ class FreeQueue:
         self.size += 1
 
     def _compact(self) -> None:
-        live = list(self)
+        q, head, pos = self.q, self.head, self.pos
+        live = q[head:] if not self.dead else \
+            [b for i, b in enumerate(q[head:], head) if pos[b] == i]
         self.q = live
         self.head = self.dead = 0
-        pos = self.pos
         for i, b in enumerate(live):
             pos[b] = i
 

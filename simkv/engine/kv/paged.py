@@ -191,6 +191,15 @@ class PagedKVCacheManager:
         return list(hits), len(hits) * self.block_size
 
     # -- allocation ---------------------------------------------------------------------------
+    def tail_append(self) -> tuple:
+        """What a caller needs to make `allocate_slots(seq, 1)`'s first case itself: (block
+        size, the pool's reference counts, the registering of full blocks or None without
+        prefix caching). A sequence with c computed tokens, c % block size != 0, whose table
+        holds c // block size + 1 blocks, the last with one reference, takes its next token in
+        place; where c + 1 fills the block, the block is registered (cache_full(seq, c + 1))."""
+        return (self.block_size, self.pool.ref_cnt,
+                self._cache_full_blocks if self.enable_prefix_caching else None)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks=(),
                        admission: bool = False, reserve_tokens: int = 0) -> bool:
         """Give `seq` slots for its cached blocks plus `num_new_tokens` more; all or nothing.
