@@ -36,9 +36,10 @@ validate() {   # RUN: the engine serves the scenario saturated, then by the wall
     validate) validate "${run:?validate needs RUN (run1 or run2)}" ;;
     profile)
       # the profile: block size 16 first (the validation's), 64 if the budget leaves room;
-      # steps, the engine pass and transfers (the ledger part fails on this model: sizing.estimate_activation_bytes); the fit is made on the CPU afterwards
+      # steps, the rested steps (the clock model), the engine pass, transfers and the ledger; the
+      # fit is made on the CPU afterwards
       timeout 560 python3 -m simkv.gpu.profiler --model "$MODEL" --block-sizes 16,64 \
-        --time-budget-s 400 --parts steps,transfers,engine --out "$work/$MODEL"
+        --time-budget-s 400 --parts steps,rested,transfers,ledger,engine --out "$work/$MODEL"
       echo "profile rc $? at $(date -u +%T)" ;;
     *) echo "unknown run $what"; exit 2 ;;
   esac
