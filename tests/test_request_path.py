@@ -134,7 +134,7 @@ def test_the_output_path_is_measured_from_core_and_client_times():
 
 
 def test_a_fleet_and_the_real_engine_refuse_the_delays():
-    from simkv.sim.engine import refuse_request_path
+    from simkv.request_path import refuse_request_path
     scn = simkv.load_scenario(REPO / "scenarios" / "fleet-azure-conv.yaml",
                               {"scheduler.output_delay_s": 0.001, "workload.limit": 20})
     with pytest.raises(InputError) as e:
@@ -144,3 +144,33 @@ def test_a_fleet_and_the_real_engine_refuse_the_delays():
         refuse_request_path(scenario(1.0, 2, admission_delay_s=0.001), "the real engine")
     assert "scheduler.admission_delay_s" in str(e.value)
     refuse_request_path(scenario(1.0, 2), "the real engine")        # 0: nothing to refuse
+
+
+def test_the_gpu_engine_checks_the_request_path_without_simpy(tmp_path):
+    # the GPU machine has no SimPy: the real engine's refusal must not import the simulator
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    code = """
+import importlib.abc, sys
+class NoSimpy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "simpy":
+            raise ImportError("simpy is not installed here")
+sys.meta_path.insert(0, NoSimpy())
+import simkv
+from simkv.errors import InputError
+from simkv.gpu.engine import Engine
+raw = {"name": "t", "model": "tiny", "cache": {"num_gpu_blocks_override": 64},
+       "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128,
+                     "admission_delay_s": 0.001},
+       "workload": {"synthetic": {"num_requests": 2}}}
+try:
+    Engine(simkv.load_scenario(raw), "cpu")
+except InputError as e:
+    print("refused:", e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "refused: scheduler.admission_delay_s: the real engine" in done.stdout

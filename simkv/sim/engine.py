@@ -23,6 +23,7 @@ from simkv.engine.results import write_results
 from simkv.sim.executor import CostModelExecutor
 from simkv.sim.provenance import provenance
 from simkv.workload.frames import load_requests_frame, requests_from_frame
+from simkv.request_path import request_path
 
 
 @dataclass
@@ -193,24 +194,6 @@ class Simulation:
             summary["cost_model_note"] = getattr(self.cost_model, "note", "estimate from specs")
         return SimResult(summary, req_df.drop(columns=["queue_s"]), steps_df, self.scenario,
                          extra, provenance(self.scenario, self.cost_model))
-
-
-def refuse_request_path(scenario, where: str) -> None:
-    """InputError when `scenario` sets a request-path delay that `where` does not apply."""
-    from simkv.errors import InputError
-    path = request_path(scenario.scheduler)
-    if path:
-        key = next(k for k, v in path.items() if v)
-        raise InputError(f"scheduler.{key}: {where} does not model the request path "
-                         "(docs/semantics.md); set it to 0")
-
-
-def request_path(sched) -> dict | None:
-    """The scenario's request-path term (docs/semantics.md, "The request path"), None when it
-    has none (every delay 0)."""
-    keys = ("admission_delay_s", "output_delay_s", "output_delay_per_running_s")
-    values = {k: float(getattr(sched, k)) for k in keys}
-    return values if any(values.values()) else None
 
 
 def client_times(req_df: pd.DataFrame, steps_df: pd.DataFrame, delay_s: float,
