@@ -134,7 +134,7 @@ def test_the_output_path_is_measured_from_core_and_client_times():
 
 
 def test_a_fleet_and_the_real_engine_refuse_the_delays():
-    from simkv.request_path import refuse_request_path
+    from simkv.engine.request_path import refuse_request_path
     scn = simkv.load_scenario(REPO / "scenarios" / "fleet-azure-conv.yaml",
                               {"scheduler.output_delay_s": 0.001, "workload.limit": 20})
     with pytest.raises(InputError) as e:

@@ -120,7 +120,7 @@ class Engine:
         if scenario.scheduler.async_scheduling:
             raise InputError("scheduler.async_scheduling: the real engine schedules "
                              "synchronously; set it to false to run on the GPU")
-        from simkv.request_path import refuse_request_path
+        from simkv.engine.request_path import refuse_request_path
         refuse_request_path(scenario, "the real engine")
         from simkv.gpu.executor import GpuExecutor
         if getattr(scenario, "tensor_parallel_size", 1) > 1 \

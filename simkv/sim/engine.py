@@ -23,7 +23,7 @@ from simkv.engine.results import write_results
 from simkv.sim.executor import CostModelExecutor
 from simkv.sim.provenance import provenance
 from simkv.workload.frames import load_requests_frame, requests_from_frame
-from simkv.request_path import request_path
+from simkv.engine.request_path import request_path
 
 
 @dataclass

@@ -130,7 +130,7 @@ class Fleet:
                  cost_model=None, step_terms: bool = False, exact: bool = False):
         self.scenario = scenario
         self.cluster = cluster = scenario.cluster
-        from simkv.request_path import refuse_request_path
+        from simkv.engine.request_path import refuse_request_path
         refuse_request_path(scenario, "a fleet")
         for pool in cluster.pools:
             refuse_request_path(pool.scenario, "a fleet")
