@@ -61,25 +61,9 @@ def output_path(raw: dict) -> tuple[float, float, int]:
 def admission_excess(raw: dict) -> np.ndarray:
     """Seconds, one per isolated injected prompt: submission to its prompt step's output, less
     1.5 decode periods and its window (the rows of prompts.py --mix)."""
-    out = []
-    for ph in raw["phases"]:
-        if "arrivals_s" not in ph:
-            continue
-        st = [s for s in ph["steps"] if s["num_prefill_tokens"] + s["num_decode_tokens"] > 0]
-        t = np.array([s["core_t_s"] for s in st])
-        per = np.append(np.diff(t), np.nan)
-        pre = np.array([s["num_prefill_tokens"] for s in st])
-        injected = ph["requests"][int(ph["spec"][1]):]
-        prompt_steps = [i for i in np.flatnonzero(pre > 0) if t[i] > ph["arrivals_s"][0]]
-        for (size, _), a, i in zip(injected, ph["arrivals_s"], prompt_steps):
-            if pre[i] != size or i < 8 or i + 8 >= len(st):
-                continue
-            if (pre[i - 6:i] > 0).any() or (pre[i + 1:i + 6] > 0).any():
-                continue
-            d = np.median(per[[i - 6, i - 5, i + 4, i + 5]])
-            window = per[i - 4:i + 3].sum() - 6 * d
-            out.append((t[i] - a) - (1.5 * d + window))
-    return np.asarray(out)
+    from prompts import isolated_injections
+    return np.asarray([(t_out - a) - (1.5 * d + window)
+                       for _, a, t_out, window, d in isolated_injections(raw)])
 
 
 def client_pieces(sent_csv: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -102,10 +102,10 @@ def cluster_table(sim: Path, runs: list) -> list:
     return lines
 
 
-def mix_table(raw_path: Path) -> list:
-    data = raw_path.read_bytes()
-    raw = json.loads(gzip.decompress(data) if raw_path.suffix == ".gz" else data)
-    rows = []
+def isolated_injections(raw: dict):
+    """(size, arrival s, its prompt step's output s, window s, decode period s) of every
+    injected prompt of the mix phases with no other prompt step within 6 steps: its window is
+    the time the decode stream lost around it (7 periods less 6 decode periods)."""
     for ph in raw["phases"]:
         if "arrivals_s" not in ph:
             continue
@@ -121,8 +121,15 @@ def mix_table(raw_path: Path) -> list:
             if (pre[i - 6:i] > 0).any() or (pre[i + 1:i + 6] > 0).any():
                 continue
             d = np.median(per[[i - 6, i - 5, i + 4, i + 5]])
-            window = per[i - 4:i + 3].sum() - 6 * d
-            rows.append((size, (t[i] - a) * 1e3, window * 1e3, d * 1e3))
+            yield size, a, t[i], per[i - 4:i + 3].sum() - 6 * d, d
+
+
+def mix_table(raw_path: Path) -> list:
+    data = raw_path.read_bytes()
+    raw = json.loads(gzip.decompress(data) if raw_path.suffix == ".gz" else data)
+    rows = []
+    for size, a, t_out, window, d in isolated_injections(raw):
+        rows.append((size, (t_out - a) * 1e3, window * 1e3, d * 1e3))
     df = pd.DataFrame(rows, columns=["size", "latency", "window", "decode"])
     df["excess"] = df["latency"] - (1.5 * df["decode"] + df["window"])
     df["bin"] = pd.cut(df["size"], [0, 384, 512, 1024, 1536, 2048])
