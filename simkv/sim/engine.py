@@ -19,11 +19,11 @@ from simkv.costmodel import load_cost_model
 from simkv.engine.build import build_scheduler
 from simkv.engine.loop import HORIZON, IDLE, NOW, StepGuard, serve
 from simkv.engine.metrics import MetricsRecorder, add_input_notes, requests_frame, summarize
+from simkv.engine.request_path import request_path
 from simkv.engine.results import write_results
 from simkv.sim.executor import CostModelExecutor
 from simkv.sim.provenance import provenance
 from simkv.workload.frames import load_requests_frame, requests_from_frame
-from simkv.engine.request_path import request_path
 
 
 @dataclass
@@ -183,8 +183,6 @@ class Simulation:
             summary["request_path"] = path
         add_input_notes(summary, self.frame)
         extra = {"sizing": self.sizing.to_dict() if hasattr(self.sizing, "to_dict") else {},
-                 "dropped": dict(self.frame.attrs.get("dropped", {})),
-                 "warnings": list(self.frame.attrs.get("warnings", [])),
                  "itl_s": np.frombuffer(self.scheduler.itl_s, dtype=np.float64)
                  if len(self.scheduler.itl_s) else np.zeros(0),
                  "queue_s": req_df["queue_s"].to_numpy(),

@@ -371,9 +371,7 @@ class Fleet:
                                               wall_time_s=time.perf_counter() - wall_start)
         summary["wall_time_s"] = time.perf_counter() - wall_start
         add_input_notes(summary, self.frame)
-        extra = {"dropped": dict(self.frame.attrs.get("dropped", {})),
-                 "warnings": list(self.frame.attrs.get("warnings", [])),
-                 "replicas": [r.name for r in self.replicas],
+        extra = {"replicas": [r.name for r in self.replicas],
                  # requests.csv's queue_s and vllm_bench.json's ITL (SimResult.requests_csv)
                  "queue_s": req_all["queue_s"].to_numpy(),
                  "itl_s": np.concatenate([np.frombuffer(r.scheduler.itl_s, dtype=np.float64)
