@@ -217,6 +217,26 @@ def test_relative_error_is_zero_for_two_zeros_and_undefined_over_zero():
     assert relative_error(None, 1.0) is None
 
 
+def test_the_engines_blocks_follow_the_pool_sizing_rule_of_simkv_size(tmp_path):
+    # vLLM's rule leaves the CUDA-graph pool and the allocator's slack outside the budget, the
+    # engine's keeps them inside: the measured memory gives the blocks under the scenario's rule
+    from simkv.config.scenario import with_overrides
+    from simkv.validate import ledger_num_blocks
+    gib = 1 << 30
+    ledger = {"device_memory_bytes": 100 * gib, "device_used_peak_bytes": 80 * gib,
+              "kv_pool_bytes": 50 * gib, "graph_pool_bytes": 2 * gib,
+              "unattributed_bytes": gib // 2}
+    base = load_validation_scenario(write_scenario(tmp_path))
+    scn = {rule: with_overrides(base, {"cache.pool_sizing": rule,
+                                       "cache.gpu_memory_utilization": 0.9})
+           for rule in ("engine", "vllm")}
+    blocks = {rule: ledger_num_blocks(ledger, scn[rule], gib // 4) for rule in scn}
+    assert blocks == {"engine": (90 - 30) * 4, "vllm": (90 - 30 + 2.5) * 4}
+    # a negative residual (the parts over-count the peak) is no slack to give back
+    assert ledger_num_blocks(dict(ledger, unattributed_bytes=-gib), scn["vllm"], gib // 4) \
+        == (90 - 30 + 2) * 4
+
+
 def test_bounds_tighten_at_low_load():
     error = {"ttft_s.mean": 0.10}
     assert not check_bounds(error, 0.6)["ttft_s.mean"]["ok"]      # 5% at load <= 0.7

@@ -23,7 +23,11 @@ def _scenario(scenario):
 def ledger_num_blocks(ledger: dict, scenario, bytes_per_block: int) -> int | None:
     """Blocks the engine's measured memory leaves for KV at the scenario's budget: (budget -
     the device's peak use outside the KV pool) // bytes per block, the budget taken on the
-    device's own total as vLLM does. None without a device ledger."""
+    device's own total as vLLM does, and counted by the scenario's pool-sizing rule as
+    `simkv size` counts it: under `cache.pool_sizing: vllm` the measured CUDA-graph pool and
+    the allocator's slack at the peak (`unattributed_bytes`) lie outside the budget
+    (simkv.sizing.OUTSIDE_VLLM_BUDGET), under `engine` inside it. None without a device
+    ledger."""
     total, peak = ledger.get("device_memory_bytes"), ledger.get("device_used_peak_bytes")
     pool = ledger.get("kv_pool_bytes")
     if not total or not peak or pool is None:
@@ -31,7 +35,11 @@ def ledger_num_blocks(ledger: dict, scenario, bytes_per_block: int) -> int | Non
     cache = scenario.cache
     budget = (cache.memory_budget_gib * (1 << 30) if cache.memory_budget_gib
               else cache.gpu_memory_utilization * total)
-    return int((budget - (peak - pool)) // bytes_per_block)
+    outside_kv = peak - pool
+    if cache.pool_sizing == "vllm":
+        outside_kv -= (ledger.get("graph_pool_bytes") or 0) \
+            + max(0, ledger.get("unattributed_bytes") or 0)
+    return int((budget - outside_kv) // bytes_per_block)
 
 
 CALIBRATION_ROUNDS = 2     # the duration is nearly proportional to the scale (the clock state
