@@ -180,6 +180,22 @@ def _expert_grid(add, num_experts: int, top_k: int) -> None:
         add(f"mixed/moe/d{b}c1024/1x{t}+p0", "mixed", _decode(b, 1024) + _chunks(1, t, 0))
 
 
+def _serving_batch_grid(add) -> None:
+    """Serving-sized decode batches (contexts drawn as Azure conv serving produces them,
+    lognormal around 900 tokens) beside the prefill chunks that continuous batching puts next
+    to them: one chunk inside the mixed graphs' range, and eager steps of 2,300 to 6,000 tokens
+    in one or two chunks. The grid's other eager mixed steps hold few decodes; served eager
+    steps of a MoE model hold 100-200 (docs/validation.md, qwen3-30b-a3b). Last of the dense
+    grid, so the compositions before them keep their hold-out ranks."""
+    rng = np.random.default_rng(2031)
+    for b in (64, 128, 192):
+        ctxs = np.clip(rng.lognormal(np.log(900), 0.6, b), 64, 3000).round().astype(int)
+        decodes = [(int(c) - 1, 1, True) for c in ctxs]
+        for total, n in ((1000, 1), (2300, 1), (3000, 2), (4500, 1), (6000, 2)):
+            chunk = (total - b) // n
+            add(f"mixed/serve/d{b}/{n}x{chunk}+p0", "mixed", decodes + _chunks(n, chunk, 0))
+
+
 def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS,
            window: int = 0, experts: tuple = (), max_model_len: int = 0) -> list:
     """The grid, in a fixed order (the fit's hold-out rule counts positions in it). `window`
@@ -195,7 +211,7 @@ def design(quick: bool = False, max_cached_tokens: int = MAX_CACHED_TOKENS,
             points.append(Point(pid, family, items))
 
     grids = (_quick_grid,) if quick else (_decode_grid, _prefill_grid, _mixed_grid,
-                                          _serving_like_grid)
+                                          _serving_like_grid, _serving_batch_grid)
     for grid in grids:
         grid(add)
     if quick:
