@@ -37,8 +37,9 @@ KV cache groups (sliding-window layers beside full ones, `use_kv_groups`) layer 
 shares slot j, and each group has its own block tables; sliding layers attend to their window.
 
 With the Triton backend the elementwise work (residual add + RMSNorm, RoPE, SiLU- or
-GELU-and-mul) runs in small fused Triton kernels, so a decode step is ~10 launches per layer
-(Gemma 3: two more norms); with the reference backend (CPU, float64) it is plain torch.
+GELU-and-mul) runs in small fused Triton kernels (`simkv.gpu.elementwise`), so a decode step is
+~10 launches per layer (Gemma 3: two more norms); with the reference backend (CPU, float64) it
+is plain torch.
 """
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from simkv.gpu.attention import AttentionMetadata, make_attention
+from simkv.gpu.elementwise import (act_and_mul_kernel, add_rms_norm_kernel, head_rms_norm_kernel,
+                                   next_pow2, rope_kernel)
 from simkv.gpu.moe import fused_moe, fused_route, reference_moe, route, router_config
 
 
@@ -91,86 +93,6 @@ def rope_inv_freq(spec, dtype=torch.float64, local: bool = False) -> torch.Tenso
         raise ValueError(f"{spec.name}: rope_scaling type {kind!r} is not supported by the sample "
                          "model (default, linear, llama3)")
     return inv_freq.to(dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Fused elementwise Triton kernels (Triton backend only)
-
-
-@triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_delta, stride_out,
-                         n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        x = x + tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
-        x_stored = x.to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + row * stride_x + offs, x_stored, mask=mask)
-        x = x_stored.to(tl.float32)   # normalise what the residual stream holds
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (x * inv_rms * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
-@triton.jit
-def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_tok, num_heads,
-                 HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.float32)
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_i = tl.arange(0, HALF_PAD)
-    inv_freq = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
-    angle = pos * inv_freq
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
-    mask = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
-    ptr = x_ptr + tok * stride_tok + offs_h[:, None] * (2 * HALF) + offs_i[None, :]
-    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _head_rms_norm_kernel(x_ptr, q_w_ptr, k_w_ptr, stride_tok, num_q_heads, num_heads, eps,
-                          HEADS_PAD: tl.constexpr, D: tl.constexpr):
-    # Qwen3's per-head RMSNorm of one token's q heads, then k heads (contiguous), in place.
-    tok = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, D)
-    mask = (offs_h < num_heads)[:, None]
-    ptr = x_ptr + tok * stride_tok + offs_h[:, None] * D + offs_d[None, :]
-    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
-    w_q = tl.load(q_w_ptr + offs_d).to(tl.float32)
-    w_k = tl.load(k_w_ptr + offs_d).to(tl.float32)
-    w = tl.where((offs_h < num_q_heads)[:, None], w_q[None, :], w_k[None, :])
-    tl.store(ptr, (x * inv_rms[:, None] * w).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr,
-                        GELU_TANH: tl.constexpr):
-    # act(gate) * up: SiLU (g * sigmoid(g)), or GELU's tanh approximation, which is
-    # g * sigmoid(2 u) with u = sqrt(2 / pi) (g + 0.044715 g^3), as 0.5 (1 + tanh u) = sigmoid(2 u)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    if GELU_TANH:
-        z = 1.5957691216057308 * (g + 0.044715 * g * g * g)     # 2 sqrt(2 / pi) (...)
-    else:
-        z = g
-    out = g / (1.0 + tl.exp(-z)) * u
-    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,8 +253,8 @@ class LlamaModel:
         if self.fused:
             out = torch.empty_like(x)
             if x.shape[0]:
-                block = _next_pow2(x.shape[1])
-                _add_rms_norm_kernel[(x.shape[0],)](
+                block = next_pow2(x.shape[1])
+                add_rms_norm_kernel[(x.shape[0],)](
                     x, x if delta is None else delta, weight, out,
                     x.stride(0), (x if delta is None else delta).stride(0), out.stride(0),
                     x.shape[1], self.eps, HAS_DELTA=delta is not None, BLOCK=block,
@@ -353,9 +275,9 @@ class LlamaModel:
         half = self.head_dim // 2
         if self.fused:
             if qk.shape[0]:
-                _rope_kernel[(qk.shape[0],)](
+                rope_kernel[(qk.shape[0],)](
                     qk, positions, inv_freq, qk.stride(0), qk.shape[1],
-                    HEADS_PAD=_next_pow2(qk.shape[1]), HALF=half, HALF_PAD=_next_pow2(half),
+                    HEADS_PAD=next_pow2(qk.shape[1]), HALF=half, HALF_PAD=next_pow2(half),
                     num_warps=4)
             return
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
@@ -372,8 +294,8 @@ class LlamaModel:
         if self.fused:
             out = torch.empty((gu.shape[0], inter), device=gu.device, dtype=gu.dtype)
             if gu.shape[0]:
-                block = min(2048, _next_pow2(inter))
-                _act_and_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+                block = min(2048, next_pow2(inter))
+                act_and_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
                     gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block,
                     GELU_TANH=self.gelu, num_warps=4)
             return out
@@ -402,8 +324,8 @@ class LlamaModel:
         v = qkv[:, (H + KH) * D:].view(T, KH, D)
         if layer.q_norm is not None and self.fused:
             if T:
-                _head_rms_norm_kernel[(T,)](qkv, layer.q_norm, layer.k_norm, qkv.stride(0), H, H + KH,
-                                            self.eps, HEADS_PAD=_next_pow2(H + KH), D=D, num_warps=4)
+                head_rms_norm_kernel[(T,)](qkv, layer.q_norm, layer.k_norm, qkv.stride(0), H, H + KH,
+                                            self.eps, HEADS_PAD=next_pow2(H + KH), D=D, num_warps=4)
         elif layer.q_norm is not None:
             q.copy_(self._rms_norm_torch(q, layer.q_norm))
             k.copy_(self._rms_norm_torch(k, layer.k_norm))
