@@ -211,3 +211,19 @@ def test_a_paged_prefill_past_the_window_has_the_plain_models_logits_and_each_pi
     for piece in PIECES:
         moved = (plain_logits(model, ids, without=piece) - plain).abs().max().item()
         assert moved > 100 * max(gap, 1e-4), (piece, moved)
+
+
+def test_the_profilers_engine_pass_holds_a_whole_context_gemma_request_on_the_h200():
+    # the pass sizes its pool from the free memory; sized by 62 layers a block (16 x 0.5 MB),
+    # half of an empty H200 held 9,167 blocks and the scenario was refused (a 131,072-token
+    # request needs 11,654 over Gemma's 7 groups); a group block holds 10 layers' pages
+    from simkv.gpu.engine_pass import pass_num_blocks, pass_scenario
+    from simkv.sizing import size_scenario
+    gemma, llama = load_model("gemma-3-27b"), load_model("llama-3.1-8b")
+    free = 149 * 10 ** 9
+    blocks = pass_num_blocks(gemma, free)
+    assert blocks == 40_000 and blocks * 10 * 16 * 2 * 16 * 128 * 2 < free / 2
+    scn = pass_scenario(gemma, 0, "profile-engine-pass", "h200", 256, blocks)
+    assert size_scenario(scn).num_blocks == blocks
+    # a one-group model's pool as before: half the memory over 16 tokens of every layer
+    assert pass_num_blocks(llama, free) == int(0.5 * free // (16 * llama.kv_bytes_per_token()))
