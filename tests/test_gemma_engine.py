@@ -227,3 +227,20 @@ def test_the_profilers_engine_pass_holds_a_whole_context_gemma_request_on_the_h2
     assert size_scenario(scn).num_blocks == blocks
     # a one-group model's pool as before: half the memory over 16 tokens of every layer
     assert pass_num_blocks(llama, free) == int(0.5 * free // (16 * llama.kv_bytes_per_token()))
+
+
+def test_the_profilers_pool_on_the_h200_leaves_room_for_the_ledgers_largest_forward():
+    # the profiling executor's pool holds the design's longest composition; the ledger then
+    # runs a 16,384-token forward into a cache of its own (8.3 GB for Gemma's 62 layers), which
+    # must fit beside it, the weights and the margin for graphs and workspaces
+    from simkv.gpu.profiler.run import KV_ROOM_MARGIN, LEDGER_TOKEN_COUNTS, cached_token_cap
+    free = 149_500_000_000                            # an H200 with the CUDA context up
+    gemma = load_model("gemma-3-27b")
+    cap = cached_token_cap(gemma, torch.device("cuda"), free)
+    per_token = gemma.kv_bytes_per_token("bf16")
+    ledger_cache = max(LEDGER_TOKEN_COUNTS) * per_token
+    assert ledger_cache > 8e9
+    assert 2 * gemma.num_params + cap * per_token + ledger_cache + KV_ROOM_MARGIN <= free
+    assert cap > 140_000
+    for name in ("qwen3-30b-a3b", "llama-3.1-8b"):   # their caps as before: the design's bound
+        assert cached_token_cap(load_model(name), torch.device("cuda"), free) == 600_000
