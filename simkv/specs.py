@@ -47,6 +47,11 @@ SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 QUANT_METHODS = ("fp8", "awq", "gptq", "mxfp4")
 # `weights_dtype` overrides: what the linear weights are served as
 WEIGHTS_DTYPES = ("bf16", "fp8", "int4", "mxfp4")
+# Gemma 3's `hidden_activation` values the sample model computes (transformers' ACT2FN names)
+HIDDEN_ACTIVATIONS = ("gelu_pytorch_tanh", "silu")
+# Gemma 3's defaults where its config leaves a key out (transformers' Gemma3TextConfig)
+GEMMA3_DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                   "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}
 
 # Bytes per element of a KV cache entry.
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
@@ -116,6 +121,12 @@ class ModelSpec:
     attention_types: tuple = ()
     linear_attention: Optional[LinearAttention] = None   # linear_attention layers' dimensions
     model_type: Optional[str] = None
+    # Gemma 3 (None elsewhere): attention scores scaled by query_pre_attn_scalar ** -0.5 (not
+    # head_dim ** -0.5); sliding layers' RoPE base, unscaled (full layers: rope_theta and
+    # rope_scaling); the gated MLP's activation (elsewhere SiLU)
+    query_pre_attn_scalar: Optional[float] = None
+    rope_local_base_freq: Optional[float] = None
+    hidden_activation: Optional[str] = None
 
     # --- KV ------------------------------------------------------------------------------
     @property
@@ -270,6 +281,26 @@ def _bool(config: dict, key: str, path: Path, default: bool) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{path}: field '{key}' must be true or false, got {value!r}")
     return value
+
+
+def _choice(config: dict, key: str, path: Path, default: str, choices: tuple) -> str:
+    value = _value(config, key, path, default)
+    if value not in choices:
+        raise InputError(f"{path}: field '{key}' must be one of {', '.join(choices)}, "
+                         f"got {value!r}")
+    return value
+
+
+def _gemma3(config: dict, path) -> dict:
+    """Gemma 3's own fields (ModelSpec's query_pre_attn_scalar, rope_local_base_freq,
+    hidden_activation), transformers' defaults where absent."""
+    d = GEMMA3_DEFAULTS
+    return {"query_pre_attn_scalar": _number(config, "query_pre_attn_scalar", path,
+                                             d["query_pre_attn_scalar"]),
+            "rope_local_base_freq": _number(config, "rope_local_base_freq", path,
+                                            d["rope_local_base_freq"]),
+            "hidden_activation": _choice(config, "hidden_activation", path,
+                                         d["hidden_activation"], HIDDEN_ACTIVATIONS)}
 
 
 def _strings(config: dict, key: str, path: Path) -> tuple:
@@ -539,6 +570,7 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None,
     attention_types, window = _attention_types(architecture, config, where, num_layers)
     linear = _linear_attention(config, where) if "linear_attention" in attention_types else None
     qwen3_next = architecture == "Qwen3NextForCausalLM"
+    gemma3 = _gemma3(config, where) if architecture.startswith("Gemma3") else {}
     shape = Shape(
         num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
@@ -571,7 +603,8 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None,
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=_number(config, "rope_theta", where, 10000.0),
+        rope_theta=_number(config, "rope_theta", where,
+                           GEMMA3_DEFAULTS["rope_theta"] if gemma3 else 10000.0),
         rope_scaling=rope_scaling,
         rms_norm_eps=_number(config, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=tie,
@@ -590,6 +623,7 @@ def model_from_config(config: dict, path: Path, name: Optional[str] = None,
         attention_types=attention_types,
         linear_attention=linear,
         model_type=model_type,
+        **gemma3,
     )
 
 

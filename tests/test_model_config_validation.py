@@ -120,3 +120,22 @@ def test_simkv_size_refuses_an_unknown_weights_dtype():
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: weights_dtype: 'int3' is not one of bf16, fp8, "
                                      "int4, mxfp4")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("query_pre_attn_scalar", "168", "field 'query_pre_attn_scalar' must be a positive number"),
+    ("query_pre_attn_scalar", 0, "field 'query_pre_attn_scalar' must be a positive number"),
+    ("rope_local_base_freq", -1.0, "field 'rope_local_base_freq' must be a positive number"),
+    ("hidden_activation", "relu", "field 'hidden_activation' must be one of gelu_pytorch_tanh, "
+                                  "silu, got 'relu'"),
+])
+def test_a_bad_gemma_3_field_is_refused_naming_file_and_key(tmp_path, key, value, message):
+    from tests.test_moe_specs import config
+    c = config("gemma-3-27b")
+    c["text_config"][key] = value
+    path = tmp_path / "gemma" / "config.json"
+    path.parent.mkdir()
+    path.write_text(__import__("json").dumps(c))
+    with pytest.raises(InputError) as e:
+        load_model(str(path))
+    assert message in str(e.value) and "gemma/config.json: text_config" in str(e.value)

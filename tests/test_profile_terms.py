@@ -187,6 +187,31 @@ def test_quick_profile_of_a_tiny_window_moe_hybrid_fits_its_terms(tmp_path):
     assert np.isfinite(fit["holdout_error"]["median"])
 
 
+def test_quick_profile_of_a_tiny_gemma_3_fits_the_window_attention_term(tmp_path):
+    # Gemma 3's layers (tests/data/tiny-gemma3.json: two 16-token window layers, one full)
+    # through the profiler's quick grid, the parts the H200 run asks for (the ledger and the
+    # engine pass are CUDA-only and pass on the CPU), then the fit and the cost model it gives
+    pytest.importorskip("triton")
+    from pathlib import Path
+
+    from simkv.fitting.profile import fit_profile
+    from simkv.gpu.profiler.run import run_profile
+    config = Path(__file__).parent / "data" / "tiny-gemma3.json"
+    out = run_profile(str(config), block_sizes=(8,), out_dir=tmp_path / "prof", quick=True,
+                      device="cpu", parts=("steps", "ledger", "engine"), log=lambda *_: None)
+    steps = pd.read_csv(out / "steps.csv")
+    assert {"decode/win/b2/c32", "prefill/win/1x16+p32"} <= set(steps["id"])
+    assert json.loads((out / "meta.json").read_text())["model_terms"] == {
+        "sliding_window": 16, "num_experts": 0, "experts_top_k": 0}
+    fit = fit_profile(out)
+    assert {"a_window_decode_s_per_token", "a_window_prefill_s_per_pair"} <= set(
+        fit["coefficient_names"])
+    model = load_model(str(config))
+    cost = ProfiledCostModel.load(out / "fit.json", 8, model=model)
+    values = dict(zip(cost.term_names, cost.term_values(step_plan([(47, 1, True)] * 2, 8))))
+    assert "window_attention" in values and np.isfinite(values["window_attention"])
+
+
 def test_the_sequences_of_a_profiled_step_feed_different_tokens():
     # a uniform decode batch whose sequences all read one id list feeds one token b times: a
     # MoE layer then routes every row to the same top-k experts (the H200 showed b = 64 at

@@ -321,3 +321,25 @@ def test_a_vllm_measurement_is_simulated_with_asynchronous_scheduling():
     off = {**vllm, "engine_kwargs": {"async_scheduling": False}}
     assert measured_async({"engine": off}) is False
     assert measured_async({"engine": {"name": "simkv"}}) is False
+
+
+def test_the_command_measures_and_compares_a_gemma_3_model(tmp_path, capsys):
+    # Gemma 3's layers and KV cache groups (a 16-token window on two of three layers) through
+    # the measurement's engine and the comparison; the engine holds the vision tower's bytes
+    from pathlib import Path
+
+    from simkv.specs import load_model
+    config = Path(__file__).parent / "data" / "tiny-gemma3.json"
+    text = SCENARIO.replace("model: tiny", f"model: {config}").replace("limit: 10", "limit: 4")
+    path = write_scenario(tmp_path, text)
+    assert validate_command(path, "cpu", tmp_path / "out") == 0
+    folder = tmp_path / "out" / "tiny-validation"
+    for run in ("saturated", "realtime"):
+        summary = json.loads((folder / run / "summary.json").read_text())
+        assert summary["requests_completed"] == 4
+        assert [g["attention_type"] for g in summary["kv_groups"]] == ["sliding", "sliding",
+                                                                       "full"]
+        ledger = json.loads((folder / run / "ledger.json").read_text())
+        assert ledger["weights_bytes"] == 4 * load_model(str(config)).weight_bytes()  # float64
+    written = json.loads((tmp_path / "out" / "tiny-validation.json").read_text())
+    assert written["requests"] == 4 and written["model"] == "tiny-gemma3"

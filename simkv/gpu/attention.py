@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: where a step's tokens go and what they attend to
 (`AttentionMetadata`), and two backends behind the same four calls (write, prefill, decode,
 copy_blocks): the Triton kernels (`simkv.gpu.kernels`) or their torch reference
-(`simkv.gpu.reference`)."""
+(`simkv.gpu.reference`). `scale` is the attention scores' (None: head_dim ** -0.5)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,13 +23,16 @@ class TritonAttention:
     def write(self, key, value, k_cache, v_cache, slot_mapping):
         self.kernels.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, window=None):
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+                window=None, scale=None):
         self.kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                             seq_lens, out=out, window=window)
+                                             seq_lens, scale=scale, out=out, window=window)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None, window=None):
-        self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out,
-                                            workspace=workspace, window=window)
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None, window=None,
+               scale=None):
+        self.kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                            scale=scale, out=out, workspace=workspace,
+                                            window=window)
 
     def copy_blocks(self, k_cache, v_cache, block_mapping):
         self.kernels.copy_blocks(k_cache, v_cache, block_mapping)
@@ -48,13 +51,15 @@ class ReferenceAttention:
     def write(self, key, value, k_cache, v_cache, slot_mapping):
         self.ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, window=None):
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+                window=None, scale=None):
         self.ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
-                                         seq_lens, out=out, window=window)
+                                         seq_lens, scale=scale, out=out, window=window)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None, window=None):
-        self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out,
-                                        window=window)
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace=None, window=None,
+               scale=None):
+        self.ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                        out=out, window=window)
 
     def copy_blocks(self, k_cache, v_cache, block_mapping):
         self.ref.copy_blocks(k_cache, v_cache, block_mapping)

@@ -64,25 +64,39 @@ def engine_workload(num_requests: int, seed: int, rate_rps: float | None = None)
                        source="profiler", format="csv")
 
 
-def _pass_engine(model, dev, seed: int, name: str, gpu: str, max_num_seqs: int,
-                 num_blocks: int | None = None):
-    """The real engine as the passes run it: block size ENGINE_PASS_BLOCK_SIZE, prefix caching
-    on, a pool of `num_blocks` (default: half the free device memory, at most 40,000 blocks)."""
+def pass_num_blocks(model, free_bytes: int) -> int:
+    """The passes' pool: the blocks half of `free_bytes` holds, at most 40,000. A block of a
+    window hybrid holds a page of its group's layers only (simkv.kv_geometry; Gemma 3 27B:
+    10 of 62 layers), so that the pool holds a max_model_len request over its groups."""
+    from simkv.kv_geometry import kv_geometry
+    per_block = kv_geometry(model, model.kv_bytes_per_layer_token("bf16"),
+                            ENGINE_PASS_BLOCK_SIZE, model.max_position_embeddings).bytes_per_block
+    return int(min(40_000, 0.5 * free_bytes // per_block))
+
+
+def pass_scenario(model, seed: int, name: str, gpu: str, max_num_seqs: int, num_blocks: int):
+    """The passes' scenario: block size ENGINE_PASS_BLOCK_SIZE, prefix caching on, a pool of
+    `num_blocks`, the model's whole context."""
     from simkv.config.scenario import load_scenario
-    from simkv.gpu.engine import Engine
-    if num_blocks is None:
-        import torch
-        free, _ = torch.cuda.mem_get_info(dev)
-        num_blocks = int(min(40_000, 0.5 * free // (ENGINE_PASS_BLOCK_SIZE
-                                                    * model.kv_bytes_per_token("bf16"))))
-    scn = load_scenario({
+    return load_scenario({
         "name": name, "model": model.name, "gpu": gpu, "seed": seed,
         "cache": {"block_size": ENGINE_PASS_BLOCK_SIZE, "num_gpu_blocks_override": num_blocks,
                   "enable_prefix_caching": True},
         "scheduler": {"max_num_seqs": max_num_seqs,
                       "max_num_batched_tokens": PROFILE_ENGINE_BATCHED_TOKENS},
         "workload": {"synthetic": {"num_requests": 1, "prompt_tokens": 8, "output_tokens": 2}}})
-    return Engine(scn, str(dev))
+
+
+def _pass_engine(model, dev, seed: int, name: str, gpu: str, max_num_seqs: int,
+                 num_blocks: int | None = None):
+    """The real engine as the passes run it (`pass_scenario`), on a pool of `num_blocks`
+    (default: `pass_num_blocks` of the free device memory)."""
+    from simkv.gpu.engine import Engine
+    if num_blocks is None:
+        import torch
+        free, _ = torch.cuda.mem_get_info(dev)
+        num_blocks = pass_num_blocks(model, free)
+    return Engine(pass_scenario(model, seed, name, gpu, max_num_seqs, num_blocks), str(dev))
 
 
 def _release(dev) -> None:

@@ -4,10 +4,25 @@ RMSNorm, RoPE (rope_scaling: default, linear, llama3), grouped-query attention t
 kernels or their torch reference (`simkv.gpu.attention`), SwiGLU MLP;
 Qwen2's q/k/v biases and Qwen3's per-head q/k norms; Qwen3-MoE's and Mixtral's routed experts in
 place of the MLP on their MoE layers (`simkv.gpu.moe`: the fused grouped GEMMs with the Triton
-backend, the plain torch loop with the reference one). Other MoE families are refused. Nothing is downloaded: weights are drawn
+backend, the plain torch loop with the reference one). Other MoE families are refused.
+
+Gemma 3 (text; transformers' modeling_gemma3, vLLM's models/gemma3.py): the embedding times
+sqrt(hidden_size) (the normaliser rounded to the weights' dtype); four RMSNorms per layer (input,
+then one on the attention output before its residual add, one before the MLP and one on the MLP
+output before its residual add); per-head q/k norms; GeGLU (gelu, tanh approximation) in place
+of SwiGLU; attention scores scaled by query_pre_attn_scalar ** -0.5; sliding layers' RoPE at
+rope_local_base_freq unscaled, full layers' at rope_theta with rope_scaling; tied embeddings,
+no logit soft-capping. Gemma's RMSNorm scales by (1 + w); with random weights the model stores
+the effective scale (1 + w), ones, as it does every norm's. The checkpoint's SigLIP vision tower
+and projector are held as one allocated tensor of their bytes that nothing computes (the
+engine serves text only): the weights the engine holds are then the bytes `simkv size` counts
+(`ModelSpec.weight_bytes`), which its memory ledger and the validation's num_blocks rest on.
+
+Nothing is downloaded: weights are drawn
 from a seeded generator on the target device, scaled so that activations stay O(1) through the
 layers (projections ~ 1/sqrt(fan_in); the two projections that write into the residual stream
-are further scaled by 1/sqrt(2 * num_layers)).
+are further scaled by 1/sqrt(2 * num_layers); Gemma's embedding ~ 1/sqrt(hidden_size), so that
+the scaled embedding is O(1)).
 
 One forward covers a flattened batch: prefill chunks first (rows [0, P)), then single-token
 queries (rows [P, T)); or, in the fixed-shape layout of mixed-step CUDA graphs, single-token
@@ -21,9 +36,10 @@ The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads
 KV cache groups (sliding-window layers beside full ones, `use_kv_groups`) layer j of each group
 shares slot j, and each group has its own block tables; sliding layers attend to their window.
 
-With the Triton backend the elementwise work (residual add + RMSNorm, RoPE, SiLU-and-mul) runs in
-small fused Triton kernels, so a decode step is ~10 launches per layer; with the reference
-backend (CPU, float64) it is plain torch.
+With the Triton backend the elementwise work (residual add + RMSNorm, RoPE, SiLU- or
+GELU-and-mul) runs in small fused Triton kernels (`simkv.gpu.elementwise`), so a decode step is
+~10 launches per layer (Gemma 3: two more norms); with the reference backend (CPU, float64) it
+is plain torch.
 """
 from __future__ import annotations
 
@@ -35,9 +51,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from simkv.gpu.attention import AttentionMetadata, make_attention
+from simkv.gpu.elementwise import (act_and_mul_kernel, add_rms_norm_kernel, head_rms_norm_kernel,
+                                   next_pow2, rope_kernel)
 from simkv.gpu.moe import fused_moe, fused_route, reference_moe, route, router_config
 
 
@@ -45,14 +62,16 @@ from simkv.gpu.moe import fused_moe, fused_route, reference_moe, route, router_c
 # RoPE frequencies
 
 
-def rope_inv_freq(spec, dtype=torch.float64) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] of the model's RoPE, rope_scaling applied (CPU).
+def rope_inv_freq(spec, dtype=torch.float64, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] of the model's RoPE, rope_scaling applied (CPU);
+    `local`: Gemma 3's sliding layers' (base rope_local_base_freq, no scaling).
 
     Supported `rope_type`s: default, linear, llama3 (transformers' formulas); others raise.
     """
     dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = spec.rope_scaling or {}
+    base = spec.rope_local_base_freq if local else spec.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = {} if local else spec.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         pass
@@ -77,79 +96,6 @@ def rope_inv_freq(spec, dtype=torch.float64) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Fused elementwise Triton kernels (Triton backend only)
-
-
-@triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_delta, stride_out,
-                         n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        x = x + tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
-        x_stored = x.to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + row * stride_x + offs, x_stored, mask=mask)
-        x = x_stored.to(tl.float32)   # normalise what the residual stream holds
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (x * inv_rms * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
-@triton.jit
-def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_tok, num_heads,
-                 HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.float32)
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_i = tl.arange(0, HALF_PAD)
-    inv_freq = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
-    angle = pos * inv_freq
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
-    mask = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
-    ptr = x_ptr + tok * stride_tok + offs_h[:, None] * (2 * HALF) + offs_i[None, :]
-    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _head_rms_norm_kernel(x_ptr, q_w_ptr, k_w_ptr, stride_tok, num_q_heads, num_heads, eps,
-                          HEADS_PAD: tl.constexpr, D: tl.constexpr):
-    # Qwen3's per-head RMSNorm of one token's q heads, then k heads (contiguous), in place.
-    tok = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, D)
-    mask = (offs_h < num_heads)[:, None]
-    ptr = x_ptr + tok * stride_tok + offs_h[:, None] * D + offs_d[None, :]
-    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
-    w_q = tl.load(q_w_ptr + offs_d).to(tl.float32)
-    w_k = tl.load(k_w_ptr + offs_d).to(tl.float32)
-    w = tl.where((offs_h < num_q_heads)[:, None], w_q[None, :], w_k[None, :])
-    tl.store(ptr, (x * inv_rms[:, None] * w).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    out = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-# ----------------------------------------------------------------------------------------------
 # The model
 
 
@@ -162,8 +108,13 @@ class LayerWeights:
     gate_up: torch.Tensor           # [2 * intermediate, hidden]
     down: torch.Tensor              # [hidden, intermediate]
     qkv_bias: Optional[torch.Tensor] = None   # Qwen2
-    q_norm: Optional[torch.Tensor] = None     # Qwen3: [D]
+    q_norm: Optional[torch.Tensor] = None     # Qwen3, Gemma 3: [D]
     k_norm: Optional[torch.Tensor] = None
+    # Gemma 3: norms of the attention's and the MLP's outputs before their residual adds
+    # (its post_attention_layernorm and post_feedforward_layernorm; `post_norm` is then its
+    # pre_feedforward_layernorm, the norm before the MLP as in Llama)
+    attn_out_norm: Optional[torch.Tensor] = None
+    mlp_out_norm: Optional[torch.Tensor] = None
     router: Optional[torch.Tensor] = None     # MoE layers: [E, hidden]; gate_up [E, 2 I, hidden]
                                               # and down [E, hidden, I] are the experts'
 
@@ -184,18 +135,28 @@ class LlamaModel:
         self.hidden_size = spec.hidden_size
         self.eps = float(spec.rms_norm_eps)
         self.router_cfg = router_config(spec) if spec.is_moe else None
+        self.is_gemma3 = spec.architecture.startswith("Gemma3")
+        # Gemma 3's embedding normaliser, rounded to the weights' dtype as transformers does
+        self.embed_scale = float(torch.tensor(spec.hidden_size ** 0.5, dtype=dtype)) \
+            if self.is_gemma3 else None
+        self.gelu = (spec.hidden_activation or "silu") == "gelu_pytorch_tanh"
+        # the kernels' default is head_dim ** -0.5
+        self.attn_scale = spec.query_pre_attn_scalar ** -0.5 if spec.query_pre_attn_scalar \
+            else None
         self._attention_layout(spec)
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         self.inv_freq = rope_inv_freq(spec).to(device=self.device, dtype=compute)
+        # each layer's RoPE: Gemma 3's sliding layers have their own
+        local = rope_inv_freq(spec, local=True).to(device=self.device, dtype=compute) \
+            if spec.rope_local_base_freq else None
+        self.layer_inv_freq = [local if w is not None and local is not None else self.inv_freq
+                               for w in self.layer_windows]
         self._init_weights(seed)
 
     def _attention_layout(self, spec) -> None:
         """Each layer's sliding window (None: full attention) and its place in the caches: by
         default one cache slot per layer; `use_kv_groups` lets layers of different KV cache
         groups share slots, as vLLM's hybrid allocator does (a block serves one group at a time)."""
-        if spec.architecture.startswith("Gemma3"):
-            raise ValueError(f"{spec.name}: the sample model does not compute Gemma 3's layers "
-                             "(GeGLU, its four norms per layer, embedding scale)")
         types = tuple(getattr(spec, "attention_types", ()) or ("full_attention",) * spec.num_layers)
         if "linear_attention" in types:
             raise ValueError(f"{spec.name}: linear-attention layers are not in the sample model")
@@ -229,7 +190,8 @@ class LlamaModel:
             s.intermediate_size
         residual_scale = 1.0 / math.sqrt(2 * s.num_layers)
         ones = lambda n: torch.ones(n, device=self.device, dtype=self.dtype)  # noqa: E731
-        self.embed = self._randn(seed, "embed", (s.vocab_size, hidden), 1.0)
+        self.embed = self._randn(seed, "embed", (s.vocab_size, hidden),
+                                 hidden ** -0.5 if self.is_gemma3 else 1.0)
         self.layers = []
         moe_layers = set(s.experts.moe_layers) if s.is_moe else set()
         for i in range(s.num_layers):
@@ -250,21 +212,28 @@ class LlamaModel:
                 layer.router = self._randn(seed, p + "router", (experts[0], hidden), hidden ** -0.5)
             if s.architecture == "Qwen2ForCausalLM":
                 layer.qkv_bias = self._randn(seed, p + "qkv_bias", ((H + 2 * KH) * D,), 0.1)
-            if s.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+            if s.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or self.is_gemma3:
                 layer.q_norm, layer.k_norm = ones(D), ones(D)
+            if self.is_gemma3:
+                layer.attn_out_norm, layer.mlp_out_norm = ones(hidden), ones(hidden)
             self.layers.append(layer)
         self.final_norm = ones(hidden)
         self.lm_head = self.embed if s.tie_word_embeddings else \
             self._randn(seed, "lm_head", (s.vocab_size, hidden), hidden ** -0.5)
+        # Gemma 3's vision tower and projector: their bytes, allocated and never computed
+        vision = s.params_by_part().get("vision", 0)
+        self.vision = torch.empty(vision, device=self.device, dtype=self.dtype) if vision \
+            else None
 
     def parameters(self):
         """Every weight tensor once (a tied LM head is the embedding)."""
         seen = {}
-        tensors = [self.embed, self.final_norm, self.lm_head]
+        tensors = [self.embed, self.final_norm, self.lm_head] \
+            + ([self.vision] if self.vision is not None else [])
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         for t in tensors:
-            seen[t.data_ptr()] = t
+            seen[id(t)] = t
         return list(seen.values())
 
     @property
@@ -284,8 +253,8 @@ class LlamaModel:
         if self.fused:
             out = torch.empty_like(x)
             if x.shape[0]:
-                block = _next_pow2(x.shape[1])
-                _add_rms_norm_kernel[(x.shape[0],)](
+                block = next_pow2(x.shape[1])
+                add_rms_norm_kernel[(x.shape[0],)](
                     x, x if delta is None else delta, weight, out,
                     x.stride(0), (x if delta is None else delta).stride(0), out.stride(0),
                     x.shape[1], self.eps, HAS_DELTA=delta is not None, BLOCK=block,
@@ -301,39 +270,43 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * weight.to(compute)).to(x.dtype)
 
-    def _rope(self, qk: torch.Tensor, positions: torch.Tensor) -> None:
+    def _rope(self, qk: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
         """Rotate q and k heads in place; qk [T, num_heads + num_kv_heads, head_dim] (a view)."""
         half = self.head_dim // 2
         if self.fused:
             if qk.shape[0]:
-                _rope_kernel[(qk.shape[0],)](
-                    qk, positions, self.inv_freq, qk.stride(0), qk.shape[1],
-                    HEADS_PAD=_next_pow2(qk.shape[1]), HALF=half, HALF_PAD=_next_pow2(half),
+                rope_kernel[(qk.shape[0],)](
+                    qk, positions, inv_freq, qk.stride(0), qk.shape[1],
+                    HEADS_PAD=next_pow2(qk.shape[1]), HALF=half, HALF_PAD=next_pow2(half),
                     num_warps=4)
             return
-        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        x1 = qk[..., :half].to(self.inv_freq.dtype)
-        x2 = qk[..., half:].to(self.inv_freq.dtype)
+        x1 = qk[..., :half].to(inv_freq.dtype)
+        x2 = qk[..., half:].to(inv_freq.dtype)
         out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         qk[..., :half] = out1.to(qk.dtype)
         qk[..., half:] = out2.to(qk.dtype)
 
-    def _silu_and_mul(self, gu: torch.Tensor) -> torch.Tensor:
+    def _act_and_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of gu [T, 2 I] = [gate | up]: SiLU, or (Gemma 3) GELU's tanh form."""
         inter = gu.shape[1] // 2
         if self.fused:
             out = torch.empty((gu.shape[0], inter), device=gu.device, dtype=gu.dtype)
             if gu.shape[0]:
-                block = min(2048, _next_pow2(inter))
-                _silu_and_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-                    gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+                block = min(2048, next_pow2(inter))
+                act_and_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+                    gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block,
+                    GELU_TANH=self.gelu, num_warps=4)
             return out
-        return F.silu(gu[:, :inter]) * gu[:, inter:]
+        gate = gu[:, :inter]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return act * gu[:, inter:]
 
     def _feed_forward(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """The dense SwiGLU MLP, or on a MoE layer the routed experts."""
+        """The dense gated MLP (SwiGLU; Gemma 3: GeGLU), or on a MoE layer the routed experts."""
         if layer.router is None:
-            return F.linear(self._silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            return F.linear(self._act_and_mul(F.linear(h, layer.gate_up)), layer.down)
         if self.fused:
             weights, ids = fused_route(h, layer.router, self.router_cfg)
             return fused_moe(h, layer.gate_up, layer.down, weights, ids)
@@ -351,13 +324,13 @@ class LlamaModel:
         v = qkv[:, (H + KH) * D:].view(T, KH, D)
         if layer.q_norm is not None and self.fused:
             if T:
-                _head_rms_norm_kernel[(T,)](qkv, layer.q_norm, layer.k_norm, qkv.stride(0), H, H + KH,
-                                            self.eps, HEADS_PAD=_next_pow2(H + KH), D=D, num_warps=4)
+                head_rms_norm_kernel[(T,)](qkv, layer.q_norm, layer.k_norm, qkv.stride(0), H, H + KH,
+                                            self.eps, HEADS_PAD=next_pow2(H + KH), D=D, num_warps=4)
         elif layer.q_norm is not None:
             q.copy_(self._rms_norm_torch(q, layer.q_norm))
             k.copy_(self._rms_norm_torch(k, layer.k_norm))
-        self._rope(qkv[:, :(H + KH) * D].view(T, H + KH, D), positions)
-        slot, window = self.layer_slot[i], self.layer_windows[i]
+        self._rope(qkv[:, :(H + KH) * D].view(T, H + KH, D), positions, self.layer_inv_freq[i])
+        slot, window, scale = self.layer_slot[i], self.layer_windows[i], self.attn_scale
         k_cache, v_cache = caches[slot, 0], caches[slot, 1]
         tables = meta.groups[self.layer_group[i]] if meta.groups else meta   # this layer's group
         self.attn.write(k, v, k_cache, v_cache, tables.slot_mapping)
@@ -366,15 +339,19 @@ class LlamaModel:
         if meta.fixed_shape:
             rows = meta.decode_seq_lens.shape[0]
             self.attn.decode(q[:rows], k_cache, v_cache, tables.decode_block_tables,
-                             meta.decode_seq_lens, out[:rows], meta.decode_workspace, window=window)
+                             meta.decode_seq_lens, out[:rows], meta.decode_workspace,
+                             window=window, scale=scale)
             self.attn.prefill(q, k_cache, v_cache, tables.prefill_block_tables,
-                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out, window=window)
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out,
+                              window=window, scale=scale)
         elif P:
             self.attn.prefill(q[:P], k_cache, v_cache, tables.prefill_block_tables,
-                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out[:P], window=window)
+                              meta.prefill_query_start_loc, meta.prefill_seq_lens, out[:P],
+                              window=window, scale=scale)
         if T > P and not meta.fixed_shape:
             self.attn.decode(q[P:], k_cache, v_cache, tables.decode_block_tables,
-                             meta.decode_seq_lens, out[P:], meta.decode_workspace, window=window)
+                             meta.decode_seq_lens, out[P:], meta.decode_workspace,
+                             window=window, scale=scale)
         return self._reduce(F.linear(out.view(T, H * D), layer.o))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -387,11 +364,17 @@ class LlamaModel:
         """
         layers = self.layers
         x = self._embed(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         x, h = self._norm(x, layers[0].input_norm)
         for i, layer in enumerate(layers):
             a = self._attention(i, layer, h, positions, meta, caches)
+            if layer.attn_out_norm is not None:
+                a = self._norm(a, layer.attn_out_norm)[1]
             x, h = self._norm(x, layer.post_norm, a)
             m = self._reduce(self._feed_forward(layer, h))
+            if layer.mlp_out_norm is not None:
+                m = self._norm(m, layer.mlp_out_norm)[1]
             x, h = self._norm(x, layers[i + 1].input_norm if i + 1 < len(layers)
                               else self.final_norm, m)
         if check_finite and not bool(torch.isfinite(h).all()):

@@ -24,6 +24,8 @@ from simkv.profile.design import MAX_CACHED_TOKENS, design_for
 # Compositions run before the ledger when the step grid is not measured, so that the run peak
 # it records is a serving-like one.
 LEDGER_WARM_IDS = ("prefill/1x8192+p0", "mixed/d200c512/1x1848+p0", "decode/b256/c512")
+# The ledger's activation sweep: one prefill of each many tokens, into a cache of its own
+LEDGER_TOKEN_COUNTS = (2048, 8192, 16384)
 
 
 @dataclass
@@ -142,16 +144,21 @@ def run_profile(model_name, block_sizes=(8, 16, 32, 64, 128), out_dir=None, quic
 KV_ROOM_MARGIN = 12 * GIB     # activations, graphs and workspaces beside weights and the pool
 
 
-def cached_token_cap(model, dev) -> int:
+def cached_token_cap(model, dev, free_bytes: int | None = None) -> int:
     """The most KV tokens a composition may hold on `dev`: MAX_CACHED_TOKENS, or on a GPU what
-    its free memory holds once the bf16 weights and KV_ROOM_MARGIN are taken (a 27B's 62 layers
-    of KV take 0.5 MB a token: 600,000 tokens would not fit beside its weights)."""
+    its free memory (`free_bytes`, default: the device's now) holds once the bf16 weights,
+    KV_ROOM_MARGIN and the cache of the ledger's largest forward (LEDGER_TOKEN_COUNTS, beside
+    the pool) are taken (a 27B's 62 layers of KV take 0.5 MB a token: 600,000 tokens would not
+    fit beside its weights, and the ledger's 16,384-token forward takes 8.3 GB more)."""
     if dev.type != "cuda":
         return MAX_CACHED_TOKENS
-    import torch
-    free, _ = torch.cuda.mem_get_info(dev)
-    room = free - 2 * model.num_params - KV_ROOM_MARGIN
-    return max(0, min(MAX_CACHED_TOKENS, room // model.kv_bytes_per_token("bf16")))
+    if free_bytes is None:
+        import torch
+        free_bytes, _ = torch.cuda.mem_get_info(dev)
+    per_token = model.kv_bytes_per_token("bf16")
+    room = free_bytes - 2 * model.num_params - KV_ROOM_MARGIN \
+        - max(LEDGER_TOKEN_COUNTS) * per_token
+    return max(0, min(MAX_CACHED_TOKENS, room // per_token))
 
 
 def _engine_pass(run: _Pass) -> None:
@@ -207,7 +214,7 @@ def _ledger_part(run: _Pass, executor) -> None:
                                        run.rng.permutation(executor.num_blocks),
                                        _tokens(executor, run.rng)))
     run.data["ledger"], run.data["memory"] = measure_ledger(
-        executor, run.model, (2048, 8192, 16384), run.log, run.data.get("serving_ledger"))
+        executor, run.model, LEDGER_TOKEN_COUNTS, run.log, run.data.get("serving_ledger"))
 
 
 def _profile_meta(run: _Pass, block_sizes: list, executor_info: dict, command,
