@@ -41,6 +41,11 @@ validate() {   # RUN: the engine serves the scenario saturated, then by the wall
   mv "$work/validation/$name" "$work/validation/$1"
 }
 
+# the GPU's SM clock, power and throttle reasons every 250 ms while it runs (smi.csv in the tar):
+# engine runs on different leases of the H200 differ by several percent (docs/validation.md)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 250 > "$work/smi.csv" 2>&1 &
+smi=$!
 {
   header
   case "$what" in
@@ -55,4 +60,5 @@ validate() {   # RUN: the engine serves the scenario saturated, then by the wall
     *) echo "unknown run $what"; exit 2 ;;
   esac
 } 2>&1 | tee "$OUT/$what$run$suffix.log"
+kill "$smi" 2>/dev/null
 tar -C "$work" -czf "$OUT/$what$run$suffix.tar.gz" .
