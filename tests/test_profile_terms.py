@@ -221,3 +221,20 @@ def test_the_sequences_of_a_profiled_step_feed_different_tokens():
     last = {item.seq.token_ids[511] for item in plan.scheduled}
     assert len(last) == 64
     assert all(len(item.seq.token_ids) == 512 for item in plan.scheduled)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-30b-a3b", "gemma-3-27b", "gpt-oss-20b",
+                                  "mistral-7b-v0.3", "qwen3-next-80b-a3b"])
+def test_the_profiler_times_eagerly_exactly_the_models_the_engine_serves_eagerly(name):
+    # the engine keeps a table per KV group (and runs without CUDA graphs) where a group is not
+    # full attention; the profile must time such a model's steps as they are served
+    pytest.importorskip("torch")
+    from simkv.config.sections import CacheConfig, SchedulerConfig
+    from simkv.gpu.profiler.grid import served_eagerly
+    from simkv.sizing import size_pool
+    from simkv.specs import load_gpu
+    model = load_model(name)
+    groups = size_pool(model, load_gpu("h200"), CacheConfig(),
+                       SchedulerConfig(max_model_len=4096)).kv_groups
+    assert served_eagerly(model) == any(g["attention_type"] != "full" for g in groups)
+    assert served_eagerly(model) == (name in ("gemma-3-27b", "gpt-oss-20b", "qwen3-next-80b-a3b"))

@@ -44,17 +44,30 @@ def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
     return _summary(times, walls)
 
 
+def served_eagerly(model) -> bool:
+    """Whether the engine serves `model` (a ModelSpec) without CUDA graphs: a layer other than
+    full attention gives its KV manager a table per group (simkv.gpu.engine `_kv_groups`)."""
+    types = tuple(getattr(model, "attention_types", ()) or ())
+    return any(t != "full_attention" for t in types)
+
+
 def profiling_executor(model, num_blocks: int, block_size: int, device, seed: int = 0,
                        model_factory=None):
     """A GpuExecutor as the profiler times steps on it: the engine's graph sizes for
     max_num_seqs MAX_NUM_SEQS and 8,192 batched tokens, no swap space, random K/V (never time
     on zeros). The probes in benchmarks/ build theirs here too. `model_factory`: a
-    tensor-parallel rank's shards (simkv.gpu.tensor_parallel.model_factory)."""
+    tensor-parallel rank's shards (simkv.gpu.tensor_parallel.model_factory).
+
+    A model with layers other than full attention (a window hybrid) is timed eagerly, as the
+    engine serves it: its KV manager keeps a table per group there, and steps with group
+    tables run without CUDA graphs (GpuExecutor `kv_groups`); the profile then has no graph
+    sizes and the cost model charges every step as eager."""
     import torch
     from simkv.gpu.executor import GpuExecutor
     executor = GpuExecutor(model, num_blocks, block_size, num_host_blocks=0, device=str(device),
                            seed=seed, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=8192,
-                           profile_memory=False, model_factory=model_factory)
+                           profile_memory=False, model_factory=model_factory,
+                           enforce_eager=served_eagerly(model))
     with torch.inference_mode():
         executor.caches.normal_()
     return executor
