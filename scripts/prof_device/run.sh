@@ -61,4 +61,7 @@ smi=$!
   esac
 } 2>&1 | tee "$OUT/$what$run$suffix.log"
 kill "$smi" 2>/dev/null
+# beside what it logged: the run's folder, or the profile's
+if [ "$what" = validate ] && [ -d "$work/validation/$run" ]; then mv "$work/smi.csv" "$work/validation/$run/"
+elif [ -d "$work/$MODEL" ]; then mv "$work/smi.csv" "$work/$MODEL/"; fi
 tar -C "$work" -czf "$OUT/$what$run$suffix.tar.gz" .
