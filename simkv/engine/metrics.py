@@ -57,7 +57,7 @@ class MetricsRecorder:
         # steps_frame: where each run starts among the single rows, its length, its constant
         # columns, and its steps' start times, durations and blocks in use, run after run
         self._run_at, self._run_m, self._run_n, self._run_waiting = [], [], [], []
-        self._run_starts, self._run_durations, self._run_used = [], [], []
+        self._run_starts, self._run_durations, self._run_used = array("d"), array("d"), array("d")
 
     def observe(self, plan, scheduler) -> None:
         """Look at the KV state as the step runs (call right after `schedule`): blocks in use,
@@ -194,11 +194,11 @@ class MetricsRecorder:
         run_rows = np.repeat(at, m) + np.arange(int(ends[-1]))
         single_rows = np.arange(num_single) + ends[np.searchsorted(at, np.arange(num_single),
                                                                     side="right")]
-        used = np.array(self._run_used, dtype=np.float64)
+        used = np.frombuffer(self._run_used, dtype=np.float64)
         batch = np.repeat(np.array(self._run_n, dtype=np.float64), m)
         runs = {"step": run_rows + 1.0,
-                "start_s": np.array(self._run_starts, dtype=np.float64),
-                "duration_s": np.array(self._run_durations, dtype=np.float64),
+                "start_s": np.frombuffer(self._run_starts, dtype=np.float64),
+                "duration_s": np.frombuffer(self._run_durations, dtype=np.float64),
                 "num_prefill_tokens": np.zeros(len(used)),
                 "num_decode_tokens": batch,
                 "num_running": batch,
