@@ -213,10 +213,14 @@ def sampled_logits(executor, plan, kv) -> tuple:
     return tokens, {it.seq.seq_id: seen[-1][row] for row, it in enumerate(order)}
 
 
-def check_same_group_step(eager, static, items, seed, atol):
-    plan, kv = group_plan_of(items, seed, eager.kv_groups)
-    if max(start for start, _, _ in items) >= 19:     # the 16-token window freed a block
-        assert any(n for st in kv.state.values() for n in st.skipped)
+def check_same_group_step(eager, static, items, seed, atol, manager=True):
+    """`manager` False: no KV manager (the profiler's steps), every group the whole table."""
+    if manager:
+        plan, kv = group_plan_of(items, seed, eager.kv_groups)
+        if max(start for start, _, _ in items) >= 19:     # the 16-token window freed a block
+            assert any(n for st in kv.state.values() for n in st.skipped)
+    else:
+        plan, kv = plan_of(items, seed), None
     with torch.inference_mode():
         eager.caches.copy_(torch.randn(eager.caches.shape, dtype=eager.caches.dtype,
                                        generator=torch.Generator().manual_seed(seed)))
@@ -261,3 +265,11 @@ def test_kv_group_steps_in_the_fixed_shape_layout_give_the_eager_tokens_logits_a
 def test_kv_group_steps_through_the_kernels_in_the_fixed_shape_layout_give_the_eager_answer(
         group_triton_executors, items, seed):
     check_same_group_step(*group_triton_executors, items, seed, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=compositions(), seed=st.integers(0, 2**16))
+@with_examples(0, 3)
+def test_kv_group_steps_without_a_kv_manager_give_the_eager_answer(group_executors, items, seed):
+    # the profiler's synthetic sequences: every group uses the whole table
+    check_same_group_step(*group_executors, items, seed, atol=1e-5, manager=False)

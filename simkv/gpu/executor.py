@@ -61,6 +61,7 @@ class GpuExecutor:
         CUDA graphs like any other."""
         self.kv_groups = kv_groups
         self.group_is_full = [g["attention_type"] == "full" for g in kv_groups or ()]
+        self.group_windows = [g.get("window") for g in kv_groups or ()]
         self.model_factory = model_factory or LlamaModel
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         is_cuda = self.device.type == "cuda"
@@ -321,9 +322,10 @@ class GpuExecutor:
 
     def _group_metadata(self, items: list, num_p: int, kv) -> list:
         """Per KV cache group, the step's slot mapping and block tables (AttentionMetadata;
-        each group's table as `step_inputs.group_tables` lays it out). Without `kv` (warm-up)
-        every group uses the whole table."""
-        slots, tables = group_host_inputs(items, kv, self.group_is_full, self.block_size)
+        each group's table as `step_inputs.group_tables` lays it out). Without `kv` (warm-up,
+        the profiler) every group uses the whole table."""
+        slots, tables = group_host_inputs(items, kv, self.group_is_full, self.group_windows,
+                                          self.block_size)
         metas = []
         for g in range(len(self.kv_groups)):
             arrays = [np.concatenate(slots[g])]

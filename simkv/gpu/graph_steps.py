@@ -32,7 +32,7 @@ import torch
 
 from simkv.launch_policy import decode_graph_sizes, mixed_graph_sizes
 from simkv.gpu.attention import AttentionMetadata
-from simkv.gpu.step_inputs import group_host_inputs, group_tables, host_inputs
+from simkv.gpu.step_inputs import group_host_inputs, host_inputs
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -200,29 +200,56 @@ class GraphSteps:
         return make_step(key)()
 
     # -- running a step -----------------------------------------------------------------------
-    def _write_decode_rows(self, single: list, h, lens, kv=None) -> tuple:
+    def _decode_width(self, single: list) -> int:
+        """Block-table columns the decode rows of `single` need (at least 1)."""
+        bs = self.ex.block_size
+        return max([it.start // bs + 1 for it in single] or [1])
+
+    def _write_decode_rows(self, single: list, h, lens, tables, kv=None) -> None:
         """Write one-token decode items into rows [0, len(single)) of the host arrays as scalars
-        (ids, positions, each block table's slots into `h`; sequence lengths into `lens`).
-        Returns (per block table its rows, their widest length, at least 1). `kv`: the KV
-        manager, whose `group_blocks_of` splits a sequence's blocks by group."""
+        (ids, positions, each block table's slots into `h`; sequence lengths into `lens`; block
+        tables into `tables` [num_tables, len(single), `_decode_width`]). `kv`: the KV manager,
+        whose `group_blocks_of` splits a sequence's blocks by group (KV cache groups)."""
         bs, full = self.ex.block_size, self.group_is_full
-        width, table_rows = 1, [[] for _ in range(self.num_tables)]
         for j, it in enumerate(single):
             seq, p = it.seq, it.start
+            table = seq.block_table
             h[0, j] = seq.token_ids[p]
             h[1, j] = p
             lens[j] = p + 1
             if full:
-                counts = kv.group_blocks_of(seq) if kv is not None else None
-                for g, table in enumerate(group_tables(seq.block_table, counts, full, p + 1, bs)):
-                    h[2 + g, j] = table[p // bs] * bs + p % bs
-                    table_rows[g].append(table)
+                self._write_group_row(table, kv.group_blocks_of(seq) if kv is not None else None,
+                                      p, j, h, tables)
             else:
-                table = seq.block_table
                 h[2, j] = table[p // bs] * bs + p % bs
-                table_rows[0].append(table[:p // bs + 1])
-            width = max(width, len(table_rows[0][-1]))
-        return table_rows, width
+                tables[0, j, :p // bs + 1] = table[:p // bs + 1]
+
+    def _write_group_row(self, table: list, counts, p: int, j: int, h, tables) -> None:
+        """Row j of every group's table and slot mapping for the decode at position `p`: the
+        layout of `step_inputs.group_tables` (a window group's freed leading entries 0), written
+        in place (a step of hundreds of decodes over seven groups would spend milliseconds on
+        the arrays `group_tables` builds). `counts` None (no KV manager): every group uses the
+        whole table, a window group's entries before its window 0, as `group_tables` has them."""
+        bs, full = self.ex.block_size, self.group_is_full
+        used = p // bs + 1
+        whole = counts is None
+        if whole:
+            counts = [len(table)] * len(full)
+        length = max([n for n, f in zip(counts, full) if f] or [used])
+        offset = 0
+        for g, n in enumerate(counts):
+            if whole:                # the window's freed entries as a KV manager frees them
+                window = self.ex.group_windows[g]
+                lead = 0 if full[g] or not window else min(max(0, p - window + 1) // bs, used)
+                offset = lead
+            else:
+                lead = min(length - n, used)
+            row = tables[g, j]
+            row[:lead] = 0
+            row[lead:used] = table[offset:offset + used - lead]
+            h[2 + g, j] = table[offset + p // bs - lead] * bs + p % bs
+            if not whole:
+                offset += n
 
     def run_decode(self, single: list, kv=None) -> tuple:
         """A decode-only step: (sampled tokens in the order of `single`, host prep seconds).
@@ -232,16 +259,14 @@ class GraphSteps:
         b = next(b for b in self.decode_buckets() if b >= n)
         h = self.h_i64.numpy()
         lens = self.h_seq_lens.numpy()
-        table_rows, width = self._write_decode_rows(single, h, lens, kv)
+        width = self._decode_width(single)
+        size = n_t * n * width
+        tables = self.h_tables.numpy()[:size].reshape(n_t, n, width)
+        self._write_decode_rows(single, h, lens, tables, kv)
         h[0, n:b] = 0
         h[1, n:b] = 0
         h[2:, n:b] = -1                    # padding rows write nothing
         lens[n:b] = 1
-        size = n_t * n * width
-        flat = self.h_tables.numpy()[:size].reshape(n_t, n, width)
-        for g, rows in enumerate(table_rows):
-            for j, row in enumerate(rows):
-                flat[g, j, :len(row)] = row
         self.g_i64.copy_(self.h_i64, non_blocking=True)
         self.g_seq_lens.copy_(self.h_seq_lens, non_blocking=True)
         stage = self.g_tables_stage[:size]
@@ -264,14 +289,17 @@ class GraphSteps:
         h = self.hm_i64.numpy()
         i32 = self.hm_i32.numpy()
         rows = self.hm_rows.numpy()
-        dec_tables, w_dec = self._write_decode_rows(single, h, i32, kv)
+        w_dec = self._decode_width(single)
+        flat = self.hm_tables.numpy()
+        self._write_decode_rows(single, h, i32,
+                                flat[:n_t * n_dec * w_dec].reshape(n_t, n_dec, w_dec), kv)
         rows[:n_dec] = np.arange(n_dec)          # a decode row samples its only token
         i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
         # the chunks, after the decode rows
         ids, pos, slots, pf_tables, seq_lens, q_lens = host_inputs(prefill, self.ex.block_size)
         if self.group_is_full:
             slots, pf_tables = group_host_inputs(prefill, kv, self.group_is_full,
-                                                 self.ex.block_size)
+                                                 self.ex.group_windows, self.ex.block_size)
         else:
             slots, pf_tables = [slots], [pf_tables]
         ends = n_dec + np.cumsum([0] + q_lens)
@@ -293,12 +321,8 @@ class GraphSteps:
         pf_lens[n_pf:p_cap] = 0
         w_pf = max(len(t) for t in pf_tables[0])
         dec_size, pf_size = n_t * n_dec * w_dec, n_t * n_pf * w_pf
-        flat = self.hm_tables.numpy()
-        dec_flat = flat[:dec_size].reshape(n_t, n_dec, w_dec)
         pf_flat = flat[dec_size:dec_size + pf_size].reshape(n_t, n_pf, w_pf)
         for g in range(n_t):
-            for j, t in enumerate(dec_tables[g]):
-                dec_flat[g, j, :len(t)] = t
             for j, t in enumerate(pf_tables[g]):
                 pf_flat[g, j, :len(t)] = t
         self.m_i64.copy_(self.hm_i64, non_blocking=True)
