@@ -183,7 +183,7 @@ def graphed_cpu_executor(scn, **kwargs):
     num_blocks = scn.cache.num_gpu_blocks_override
     executor = GpuExecutor(scn.model, num_blocks, scn.cache.block_size, num_host_blocks=64,
                            device="cpu", max_num_seqs=scn.scheduler.max_num_seqs,
-                           max_model_len=48,
+                           max_model_len=scn.scheduler.max_model_len,
                            max_num_batched_tokens=scn.scheduler.max_num_batched_tokens,
                            poison=True, static_inputs=True, **kwargs)
     steps = executor.steps

@@ -6,7 +6,9 @@ must generate, greedily and in float32, the tokens of a plain torch Gemma 3 writ
 (transformers' modeling_gemma3 order, whole-sequence recompute, no pages), over prompts longer
 than the window, with the torch reference attention and with the Triton kernels (under
 TRITON_INTERPRET=1 on CPU). The same plain model with one Gemma-specific piece left out gives
-other tokens, so each piece is one the comparison checks.
+other tokens, so each piece is one the comparison checks. The engine's fixed-shape steps (a slot
+mapping and block tables per KV cache group, as CUDA graphs replay them) give the eager steps'
+tokens, and the plain model's, with prefix hits and with preemptions.
 """
 import math
 import os
@@ -211,6 +213,77 @@ def test_a_paged_prefill_past_the_window_has_the_plain_models_logits_and_each_pi
     for piece in PIECES:
         moved = (plain_logits(model, ids, without=piece) - plain).abs().max().item()
         assert moved > 100 * max(gap, 1e-4), (piece, moved)
+
+
+def graphed_gemma_executor(scn, attention):
+    """The engine's executor for `scn` (its KV cache groups) with every decode and mixed step run
+    as a stand-in graph over the fixed-shape buffers."""
+    from simkv.gpu.engine import engine_kv_groups
+    from simkv.sizing import size_scenario
+    from tests.test_engine_cpu import graphed_cpu_executor
+    return graphed_cpu_executor(scn, dtype=torch.float32, attention=attention,
+                                kv_groups=engine_kv_groups(size_scenario(scn)))
+
+
+@pytest.mark.parametrize("blocks", [128, 44])
+def test_graphed_kv_group_steps_give_the_eager_engines_and_the_plain_models_tokens(blocks):
+    # 12 requests of 9-35 prompt tokens against a 16-token window, 32 tokens a step, families
+    # sharing prefixes (prefix caching on); 44 blocks: the pool of one max_model_len request
+    # (42 over the three groups) and two more, so requests are preempted and recomputed
+    from simkv.gpu.engine import requests_from_frame, run_offline
+    from simkv.gpu.tokens import prompt_token_ids
+    from tests.test_engine_cpu import workload
+    frame = workload()
+    frame["n"] = 1
+    scn = gemma_scenario(num_gpu_blocks_override=blocks)
+    eager = run_offline(scn, frame, dtype=torch.float32, attention="reference", poison=True)
+    executor = graphed_gemma_executor(scn, "reference")
+    graphed = run_offline(scn, frame, executor=executor, poison=True)
+    assert executor.num_graph_steps > 0 and executor.num_mixed_graph_steps > 0
+    assert executor.num_eager_steps == 0
+    assert graphed.step_tokens == eager.step_tokens
+    assert graphed.tokens == eager.tokens
+    summary = graphed.result.summary
+    assert summary["prefix_cache_hit_ratio"] > 0
+    assert (summary["preemptions"] > 0) == (blocks == 44)
+    for req in requests_from_frame(frame):
+        prompt = prompt_token_ids(req, scn.model.vocab_size, seed=0)
+        assert graphed.tokens[(req.request_id, 0)] == plain_greedy(
+            executor.model, prompt, req.output_tokens), req.request_id
+
+
+@needs_kernels
+def test_graphed_kv_group_steps_through_the_kernels_give_the_plain_models_tokens():
+    # the Triton kernels in the fixed-shape layout: a 30-token prompt chunked past the window
+    # beside a 21-token one, then decodes past the window (decode graphs of 2 rows)
+    from simkv.gpu.engine import requests_from_frame, run_offline
+    from simkv.gpu.model import LlamaModel
+    from simkv.gpu.tokens import prompt_token_ids
+    from tests.test_engine_cpu import workload
+    frame = workload().iloc[[0, 2]].copy()
+    frame["output_tokens"] = 6
+    frame["n"] = 1
+    frame["request_id"] = range(2)
+    scn = gemma_scenario()
+    executor = graphed_gemma_executor(scn, "triton")
+    run = run_offline(scn, frame, executor=executor, poison=True)
+    assert executor.num_graph_steps > 0 and executor.num_mixed_graph_steps > 0
+    assert executor.num_eager_steps == 0
+    model = LlamaModel(scn.model, "cpu", torch.float32, seed=0)    # the engine's weights
+    for req in requests_from_frame(frame):
+        prompt = prompt_token_ids(req, scn.model.vocab_size, seed=0)
+        assert run.tokens[(req.request_id, 0)] == plain_greedy(model, prompt, 6), req.request_id
+
+
+def test_an_engine_refuses_an_executor_without_its_kv_groups():
+    from simkv.gpu.engine import Engine
+    from simkv.gpu.executor import GpuExecutor
+    scn = gemma_scenario()
+    executor = GpuExecutor(scn.model, 128, 4, device="cpu", dtype=torch.float32,
+                           attention="reference", max_num_seqs=4, max_model_len=64,
+                           max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="KV cache groups"):
+        Engine(scn, "cpu", executor=executor)
 
 
 def test_the_profilers_engine_pass_holds_a_whole_context_gemma_request_on_the_h200():

@@ -225,16 +225,36 @@ def test_the_sequences_of_a_profiled_step_feed_different_tokens():
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-30b-a3b", "gemma-3-27b", "gpt-oss-20b",
                                   "mistral-7b-v0.3", "qwen3-next-80b-a3b"])
-def test_the_profiler_times_eagerly_exactly_the_models_the_engine_serves_eagerly(name):
-    # the engine keeps a table per KV group (and runs without CUDA graphs) where a group is not
-    # full attention; the profile must time such a model's steps as they are served
-    pytest.importorskip("torch")
-    from simkv.config.sections import CacheConfig, SchedulerConfig
-    from simkv.gpu.profiler.grid import served_eagerly
-    from simkv.sizing import size_pool
-    from simkv.specs import load_gpu
+def test_the_profiler_builds_its_executor_as_the_engine_builds_its_own(name, monkeypatch):
+    # the profile must time a model's steps as the engine serves them: the same KV cache groups
+    # (a window hybrid's steps fill a slot mapping and block tables per group) and the same
+    # graph settings. Both executors are recorded instead of built: the engine's as the
+    # profiler's engine pass runs it (block size 16; on a B200, which holds all six), the
+    # profiling executor at block size 16
+    torch = pytest.importorskip("torch")
+    from simkv.gpu import executor as executor_module
+    from simkv.gpu.engine import Engine
+    from simkv.gpu.engine_pass import pass_scenario
+    from simkv.gpu.profiler.grid import profiling_executor
+    built = []
+
+    class Recorded:
+        def __init__(self, model, num_blocks, block_size, *args, **kwargs):
+            built.append(kwargs)
+            self.num_blocks, self.block_size = num_blocks, block_size
+            self.kv_groups = kwargs.get("kv_groups")
+            self.caches = torch.zeros(1)
+
+        def reserve_swap_space(self):
+            pass
+
+    monkeypatch.setattr(executor_module, "GpuExecutor", Recorded)
     model = load_model(name)
-    groups = size_pool(model, load_gpu("h200"), CacheConfig(),
-                       SchedulerConfig(max_model_len=4096)).kv_groups
-    assert served_eagerly(model) == any(g["attention_type"] != "full" for g in groups)
-    assert served_eagerly(model) == (name in ("gemma-3-27b", "gpt-oss-20b", "qwen3-next-80b-a3b"))
+    Engine(pass_scenario(model, 0, "profile-engine-pass", "b200", 256, 40_000), "cpu")
+    profiling_executor(model, 64, 16, "cpu")
+    engine, profile = built
+    assert profile["kv_groups"] == engine["kv_groups"]
+    hybrid = name in ("gemma-3-27b", "gpt-oss-20b", "qwen3-next-80b-a3b")
+    assert (profile["kv_groups"] is not None) == hybrid
+    for setting in ("enforce_eager", "static_inputs", "max_num_seqs", "max_num_batched_tokens"):
+        assert profile.get(setting, False) == engine.get(setting, False), setting

@@ -92,6 +92,14 @@ def _fresh(req: Request) -> Request:
                    parent_request_id=req.parent_request_id)
 
 
+def engine_kv_groups(sizing):
+    """The executor's `kv_groups` for a scenario's sizing: its KV cache groups where the KV
+    manager keeps a table per group (a window or linear group beside full ones), else None: one
+    table for every layer."""
+    groups = getattr(sizing, "kv_groups", None) or []
+    return groups if any(g["attention_type"] != "full" for g in groups) else None
+
+
 class _MeasuredExecutor:
     """The GPU executor as the serving loop's: runs each step and keeps its device times."""
 
@@ -142,6 +150,8 @@ class Engine:
                 kv_groups=self._kv_groups())
         elif executor.num_blocks < kv.num_blocks or executor.block_size != block_size:
             raise ValueError("the executor's cache does not match the scenario's pool")
+        elif executor.kv_groups != self._kv_groups():
+            raise ValueError("the executor's KV cache groups are not the scenario's")
         if poison is not None:
             executor.poison = poison
         if scenario.cache.preemption_mode == "swap":
@@ -154,10 +164,7 @@ class Engine:
         self.num_seqs: list = []    # per step: sequences scheduled
 
     def _kv_groups(self):
-        """The sizing's KV cache groups where the KV manager keeps a table per group (a window
-        or linear group beside full ones), else None: one table for every layer."""
-        groups = getattr(self.sizing, "kv_groups", None) or []
-        return groups if any(g["attention_type"] != "full" for g in groups) else None
+        return engine_kv_groups(self.sizing)
 
     def run(self, requests: list, realtime: bool = True, progress=None) -> float:
         """Serve `requests` (fresh Request objects, arrival order) until all are final; returns

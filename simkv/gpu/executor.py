@@ -10,8 +10,9 @@ Inputs (token ids, positions, slot mapping, block tables, varlen metadata) are b
 with numpy and sent in one copy per dtype (`simkv.gpu.step_inputs`).
 
 Decode-only steps, and steps with prefill chunks of up to 2,048 tokens, run as CUDA graphs over
-static input buffers (`simkv.gpu.graph_steps`); larger steps run eagerly, bound by device work
-rather than by kernel launches. `enforce_eager=True` turns graphs off; `static_inputs=True` runs
+static input buffers (`simkv.gpu.graph_steps`; with KV cache groups a slot mapping and block
+tables per group); larger steps run eagerly, bound by device work rather than by kernel
+launches. `enforce_eager=True` turns graphs off; `static_inputs=True` runs
 steps through the fixed-shape buffers without capturing (the CPU tests of the graphed path).
 
 Debug mode `SIMKV_POISON_FREED=1` (or `poison=True`): after every step the engine overwrites the
@@ -31,7 +32,7 @@ import torch
 from simkv.gpu.attention import AttentionMetadata
 from simkv.gpu.host import collection_held
 from simkv.gpu.model import LlamaModel
-from simkv.gpu.step_inputs import Staging, cdiv, host_inputs, pad_tables
+from simkv.gpu.step_inputs import Staging, cdiv, group_host_inputs, host_inputs, pad_tables
 
 
 def poison_enabled() -> bool:
@@ -54,9 +55,13 @@ class GpuExecutor:
         `model_factory(spec, device, dtype, seed, attention)` builds the model (default
         LlamaModel; a tensor-parallel rank's: simkv.gpu.tensor_parallel). `kv_groups` (the
         sizing's kv_groups, for a model with sliding-window layers beside full ones): the caches
-        are laid out by group and each group gets its own block tables from the KV manager;
-        such steps run eagerly (no CUDA graphs for groups yet)."""
+        are laid out by group and each group gets its own slot mapping and block tables, from
+        the KV manager passed to `execute` (without one every group uses the whole table); the
+        fixed-shape steps hold a slot mapping and block tables per group, so such steps run as
+        CUDA graphs like any other."""
         self.kv_groups = kv_groups
+        self.group_is_full = [g["attention_type"] == "full" for g in kv_groups or ()]
+        self.group_windows = [g.get("window") for g in kv_groups or ()]
         self.model_factory = model_factory or LlamaModel
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         is_cuda = self.device.type == "cuda"
@@ -114,8 +119,6 @@ class GpuExecutor:
         """Compile the eager steps' kernel variants and build (and on CUDA capture) the
         fixed-shape steps."""
         is_cuda = self.device.type == "cuda"
-        if self.kv_groups:   # the fixed-shape steps hold one group's tables
-            enforce_eager, static_inputs = True, False
         self.use_graphs = is_cuda and not enforce_eager and self.attention == "triton"
         self.static_inputs = self.use_graphs or static_inputs
         if is_cuda and self.attention == "triton":
@@ -241,11 +244,11 @@ class GpuExecutor:
                 num_tokens = len(single) + sum(it.num_tokens for it in prefill)
                 bucket = steps.mixed_bucket(len(prefill), len(single), num_tokens)
             if not prefill and steps is not None and len(single) <= steps.decode_buckets()[-1]:
-                tokens, self.last_prep_s = steps.run_decode(single)
+                tokens, self.last_prep_s = steps.run_decode(single, kv)
                 ordered, rows = single, range(len(single))
                 self.num_graph_steps += 1
             elif bucket is not None:
-                tokens, self.last_prep_s = steps.run_mixed(prefill, single, bucket)
+                tokens, self.last_prep_s = steps.run_mixed(prefill, single, bucket, kv)
                 ordered = single + prefill
                 rows = range(len(ordered))
                 self.num_mixed_graph_steps += 1
@@ -318,29 +321,13 @@ class GpuExecutor:
         self.swap_space = space
 
     def _group_metadata(self, items: list, num_p: int, kv) -> list:
-        """Per KV cache group, the step's slot mapping and block tables (AttentionMetadata).
-
-        A sequence's `block_table` lists its live blocks group after group (`group_blocks_of`
-        counts them); every group's table has as many entries as a full-attention group's (one
-        per block of the sequence's allocated tokens), a window group's leading ones freed:
-        they hold no token any query of the step attends to, are never read, and are 0 here.
-        Without `kv` (warm-up) every group uses the whole table."""
-        bs, full = self.block_size, [g["attention_type"] == "full" for g in self.kv_groups]
-        slots = [[] for _ in full]
-        tables = [[] for _ in full]
-        for it in items:
-            flat = np.asarray(it.seq.block_table, dtype=np.int64)
-            counts = kv.group_blocks_of(it.seq) if kv is not None else [len(flat)] * len(full)
-            offsets = np.cumsum([0] + list(counts)) if kv is not None else [0] * (len(full) + 1)
-            length = max([n for n, f in zip(counts, full) if f] or [cdiv(it.start + it.num_tokens, bs)])
-            p = np.arange(it.start, it.start + it.num_tokens, dtype=np.int64)
-            for g, n in enumerate(counts):
-                table = np.zeros(length, dtype=np.int64)
-                table[length - n:] = flat[offsets[g]:offsets[g] + n]
-                slots[g].append(table[p // bs] * bs + p % bs)
-                tables[g].append(table[:cdiv(it.start + it.num_tokens, bs)])
+        """Per KV cache group, the step's slot mapping and block tables (AttentionMetadata;
+        each group's table as `step_inputs.group_tables` lays it out). Without `kv` (warm-up,
+        the profiler) every group uses the whole table."""
+        slots, tables = group_host_inputs(items, kv, self.group_is_full, self.group_windows,
+                                          self.block_size)
         metas = []
-        for g in range(len(full)):
+        for g in range(len(self.kv_groups)):
             arrays = [np.concatenate(slots[g])]
             if num_p:
                 arrays.append(pad_tables(tables[g][:num_p]).ravel())

@@ -11,6 +11,12 @@ max_num_batched_tokens). A graph reads its inputs from buffers at fixed addresse
 step updates in place; the padding of a bucket is inert (slot -1 writes nothing, a decode row of
 sequence length 0 and a prefill sequence with no new tokens are skipped by the kernels).
 
+With KV cache groups (a window hybrid: GpuExecutor `kv_groups`) the buffers hold a slot mapping
+and block tables per group, each group's table laid out as the eager step lays it out
+(`step_inputs.group_tables`: a window group's freed leading entries 0), and the model's
+`AttentionMetadata.groups` point at them; the sequence lengths and query offsets are the step's,
+shared by every group.
+
 The mixed layout puts the decode tokens first (rows [0, D)), then the chunks' tokens, then
 padding: the decode kernel covers rows [0, d_cap) and the prefill kernel every row by its
 `query_start_loc`, so one graph serves any split of its token count between decodes and chunks
@@ -26,7 +32,7 @@ import torch
 
 from simkv.launch_policy import decode_graph_sizes, mixed_graph_sizes
 from simkv.gpu.attention import AttentionMetadata
-from simkv.gpu.step_inputs import host_inputs
+from simkv.gpu.step_inputs import group_host_inputs, host_inputs
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -42,6 +48,8 @@ class GraphSteps:
         self.decode_graphs: dict = {}      # batch size -> (graph, logits, tokens)
         self.mixed_graphs: dict = {}       # token count -> (graph, logits, tokens)
         self.width = _cdiv(executor.max_model_len, executor.block_size)   # table columns
+        self.group_is_full = executor.group_is_full     # per KV cache group; [] without groups
+        self.num_tables = max(1, len(self.group_is_full))   # block tables (and slot mappings)
         self._decode_buffers()
         self._mixed_buffers()
 
@@ -73,17 +81,18 @@ class GraphSteps:
     def _decode_buffers(self) -> None:
         """Static inputs of the decode graphs, and the split-K workspace every graph shares."""
         ex = self.ex
-        dev, spec, width = ex.device, ex.spec, self.width
+        dev, spec, width, n_t = ex.device, ex.spec, self.width, self.num_tables
         top = self.decode_buckets()[-1]
         pinned = dev.type == "cuda"
-        self.g_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
-        self.g_i64[2].fill_(-1)           # warm-up and capture write nothing into the cache
+        # ids, positions, then each block table's slots
+        self.g_i64 = torch.zeros((2 + n_t, top), dtype=torch.int64, device=dev)
+        self.g_i64[2:].fill_(-1)          # warm-up and capture write nothing into the cache
         self.g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.g_tables = torch.zeros((top, width), dtype=torch.int32, device=dev)
-        self.g_tables_stage = torch.empty(top * width, dtype=torch.int32, device=dev)
-        self.h_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
+        self.g_tables = torch.zeros((n_t, top, width), dtype=torch.int32, device=dev)
+        self.g_tables_stage = torch.empty(n_t * top * width, dtype=torch.int32, device=dev)
+        self.h_i64 = torch.zeros((2 + n_t, top), dtype=torch.int64, pin_memory=pinned)
         self.h_seq_lens = torch.ones(top, dtype=torch.int32, pin_memory=pinned)
-        self.h_tables = torch.zeros(top * width, dtype=torch.int32, pin_memory=pinned)
+        self.h_tables = torch.zeros(n_t * top * width, dtype=torch.int32, pin_memory=pinned)
         self.workspace = None
         if ex.attention == "triton" and dev.type == "cuda":
             from simkv.gpu import kernels
@@ -99,31 +108,37 @@ class GraphSteps:
 
     def _mixed_buffers(self) -> None:
         """Static inputs of the mixed-step graphs, sized for the largest captured token count."""
-        dev, width = self.ex.device, self.width
+        dev, width, n_t = self.ex.device, self.width, self.num_tables
         top = self.mixed_buckets()[-1]
         d_cap, p_cap, r_cap = self.mixed_caps(top)
         pinned = dev.type == "cuda"
-        self.m_i64 = torch.zeros((3, top), dtype=torch.int64, device=dev)   # ids, pos, slots
-        self.m_i64[2].fill_(-1)
+        # ids, positions, then each block table's slots
+        self.m_i64 = torch.zeros((2 + n_t, top), dtype=torch.int64, device=dev)
+        self.m_i64[2:].fill_(-1)
         self.m_rows = torch.zeros(r_cap, dtype=torch.int64, device=dev)
         # int32: decode seq_lens [d_cap], prefill query_start_loc [p_cap + 1], seq_lens [p_cap]
         self.m_i32 = torch.zeros(d_cap + 2 * p_cap + 1, dtype=torch.int32, device=dev)
-        self.m_dec_tables = torch.zeros((d_cap, width), dtype=torch.int32, device=dev)
-        self.m_pf_tables = torch.zeros((p_cap, width), dtype=torch.int32, device=dev)
-        self.m_tables_stage = torch.empty((d_cap + p_cap) * width, dtype=torch.int32, device=dev)
-        self.hm_i64 = torch.zeros((3, top), dtype=torch.int64, pin_memory=pinned)
+        self.m_dec_tables = torch.zeros((n_t, d_cap, width), dtype=torch.int32, device=dev)
+        self.m_pf_tables = torch.zeros((n_t, p_cap, width), dtype=torch.int32, device=dev)
+        self.m_tables_stage = torch.empty(n_t * (d_cap + p_cap) * width, dtype=torch.int32,
+                                          device=dev)
+        self.hm_i64 = torch.zeros((2 + n_t, top), dtype=torch.int64, pin_memory=pinned)
         self.hm_rows = torch.zeros(r_cap, dtype=torch.int64, pin_memory=pinned)
         self.hm_i32 = torch.zeros(d_cap + 2 * p_cap + 1, dtype=torch.int32, pin_memory=pinned)
-        self.hm_tables = torch.zeros((d_cap + p_cap) * width, dtype=torch.int32,
+        self.hm_tables = torch.zeros(n_t * (d_cap + p_cap) * width, dtype=torch.int32,
                                      pin_memory=pinned)
         self.m_caps = (d_cap, p_cap, r_cap)
 
     def decode_step(self, b: int):
         """The decode step of batch `b` over the static buffers: returns (logits, tokens)."""
         meta = AttentionMetadata(slot_mapping=self.g_i64[2, :b], num_prefill_tokens=0,
-                                 decode_block_tables=self.g_tables[:b],
+                                 decode_block_tables=self.g_tables[0, :b],
                                  decode_seq_lens=self.g_seq_lens[:b],
                                  decode_workspace=self.workspace)
+        if self.group_is_full:
+            meta.groups = [AttentionMetadata(slot_mapping=self.g_i64[2 + g, :b],
+                                             decode_block_tables=self.g_tables[g, :b])
+                           for g in range(self.num_tables)]
         ex = self.ex
 
         def step():
@@ -138,10 +153,15 @@ class GraphSteps:
         i32 = self.m_i32
         meta = AttentionMetadata(
             slot_mapping=self.m_i64[2, :tokens], num_prefill_tokens=0, fixed_shape=True,
-            decode_block_tables=self.m_dec_tables[:d_cap], decode_seq_lens=i32[:d_cap],
+            decode_block_tables=self.m_dec_tables[0, :d_cap], decode_seq_lens=i32[:d_cap],
             prefill_query_start_loc=i32[top_d:top_d + p_cap + 1],
             prefill_seq_lens=i32[top_d + top_p + 1:top_d + top_p + 1 + p_cap],
-            prefill_block_tables=self.m_pf_tables[:p_cap], decode_workspace=self.workspace)
+            prefill_block_tables=self.m_pf_tables[0, :p_cap], decode_workspace=self.workspace)
+        if self.group_is_full:
+            meta.groups = [AttentionMetadata(slot_mapping=self.m_i64[2 + g, :tokens],
+                                             decode_block_tables=self.m_dec_tables[g, :d_cap],
+                                             prefill_block_tables=self.m_pf_tables[g, :p_cap])
+                           for g in range(self.num_tables)]
         ex = self.ex
 
         def step():
@@ -180,74 +200,117 @@ class GraphSteps:
         return make_step(key)()
 
     # -- running a step -----------------------------------------------------------------------
-    def _write_decode_rows(self, single: list, h, lens) -> tuple:
-        """Write one-token decode items into rows [0, len(single)) of the host arrays as scalars
-        (ids, positions, slots into `h`; sequence lengths into `lens`). Returns (block-table rows,
-        their widest length, at least 1)."""
+    def _decode_width(self, single: list) -> int:
+        """Block-table columns the decode rows of `single` need (at least 1)."""
         bs = self.ex.block_size
-        width, table_rows = 1, []
+        return max([it.start // bs + 1 for it in single] or [1])
+
+    def _write_decode_rows(self, single: list, h, lens, tables, kv=None) -> None:
+        """Write one-token decode items into rows [0, len(single)) of the host arrays as scalars
+        (ids, positions, each block table's slots into `h`; sequence lengths into `lens`; block
+        tables into `tables` [num_tables, len(single), `_decode_width`]). `kv`: the KV manager,
+        whose `group_blocks_of` splits a sequence's blocks by group (KV cache groups)."""
+        bs, full = self.ex.block_size, self.group_is_full
         for j, it in enumerate(single):
             seq, p = it.seq, it.start
             table = seq.block_table
             h[0, j] = seq.token_ids[p]
             h[1, j] = p
-            h[2, j] = table[p // bs] * bs + p % bs
             lens[j] = p + 1
-            row = table[:p // bs + 1]
-            table_rows.append(row)
-            width = max(width, len(row))
-        return table_rows, width
+            if full:
+                self._write_group_row(table, kv.group_blocks_of(seq) if kv is not None else None,
+                                      p, j, h, tables)
+            else:
+                h[2, j] = table[p // bs] * bs + p % bs
+                tables[0, j, :p // bs + 1] = table[:p // bs + 1]
 
-    def run_decode(self, single: list) -> tuple:
-        """A decode-only step: (sampled tokens in the order of `single`, host prep seconds)."""
+    def _write_group_row(self, table: list, counts, p: int, j: int, h, tables) -> None:
+        """Row j of every group's table and slot mapping for the decode at position `p`: the
+        layout of `step_inputs.group_tables` (a window group's freed leading entries 0), written
+        in place (a step of hundreds of decodes over seven groups would spend milliseconds on
+        the arrays `group_tables` builds). `counts` None (no KV manager): every group uses the
+        whole table, a window group's entries before its window 0, as `group_tables` has them."""
+        bs, full = self.ex.block_size, self.group_is_full
+        used = p // bs + 1
+        whole = counts is None
+        if whole:
+            counts = [len(table)] * len(full)
+        length = max([n for n, f in zip(counts, full) if f] or [used])
+        offset = 0
+        for g, n in enumerate(counts):
+            if whole:                # the window's freed entries as a KV manager frees them
+                window = self.ex.group_windows[g]
+                lead = 0 if full[g] or not window else min(max(0, p - window + 1) // bs, used)
+                offset = lead
+            else:
+                lead = min(length - n, used)
+            row = tables[g, j]
+            row[:lead] = 0
+            row[lead:used] = table[offset:offset + used - lead]
+            h[2 + g, j] = table[offset + p // bs - lead] * bs + p % bs
+            if not whole:
+                offset += n
+
+    def run_decode(self, single: list, kv=None) -> tuple:
+        """A decode-only step: (sampled tokens in the order of `single`, host prep seconds).
+        `kv`: the KV manager (KV cache groups; None: every group uses the whole table)."""
         t0 = time.perf_counter()
-        n = len(single)
+        n, n_t = len(single), self.num_tables
         b = next(b for b in self.decode_buckets() if b >= n)
         h = self.h_i64.numpy()
         lens = self.h_seq_lens.numpy()
-        table_rows, width = self._write_decode_rows(single, h, lens)
+        width = self._decode_width(single)
+        size = n_t * n * width
+        tables = self.h_tables.numpy()[:size].reshape(n_t, n, width)
+        self._write_decode_rows(single, h, lens, tables, kv)
         h[0, n:b] = 0
         h[1, n:b] = 0
-        h[2, n:b] = -1                     # padding rows write nothing
+        h[2:, n:b] = -1                    # padding rows write nothing
         lens[n:b] = 1
-        flat = self.h_tables.numpy()[:n * width].reshape(n, width)
-        for j, row in enumerate(table_rows):
-            flat[j, :len(row)] = row
         self.g_i64.copy_(self.h_i64, non_blocking=True)
         self.g_seq_lens.copy_(self.h_seq_lens, non_blocking=True)
-        stage = self.g_tables_stage[:n * width]
-        stage.copy_(self.h_tables[:n * width], non_blocking=True)
-        self.g_tables[:n, :width].copy_(stage.view(n, width))
+        stage = self.g_tables_stage[:size]
+        stage.copy_(self.h_tables[:size], non_blocking=True)
+        self.g_tables[:, :n, :width].copy_(stage.view(n_t, n, width))
         prep_s = time.perf_counter() - t0
         logits, tokens = self._replay(self.decode_graphs, b, self.decode_step)
         if self.ex.poison:
             self.ex._check_logits(logits[:n])
         return tokens[:n].tolist(), prep_s
 
-    def run_mixed(self, prefill: list, single: list, bucket: int) -> tuple:
+    def run_mixed(self, prefill: list, single: list, bucket: int, kv=None) -> tuple:
         """A step with prefill chunks in the fixed-shape layout: decode rows [0, D), the chunks'
         tokens [D, D + P), padding up to `bucket`. Returns (sampled tokens, decodes first, then
-        the chunks; host prep seconds)."""
+        the chunks; host prep seconds). `kv` as for `run_decode`."""
         t0 = time.perf_counter()
-        n_dec, n_pf = len(single), len(prefill)
+        n_dec, n_pf, n_t = len(single), len(prefill), self.num_tables
         d_cap, p_cap, r_cap = self.mixed_caps(bucket)
         top_d, top_p, _ = self.m_caps
         h = self.hm_i64.numpy()
         i32 = self.hm_i32.numpy()
         rows = self.hm_rows.numpy()
-        dec_tables, w_dec = self._write_decode_rows(single, h, i32)
+        w_dec = self._decode_width(single)
+        flat = self.hm_tables.numpy()
+        self._write_decode_rows(single, h, i32,
+                                flat[:n_t * n_dec * w_dec].reshape(n_t, n_dec, w_dec), kv)
         rows[:n_dec] = np.arange(n_dec)          # a decode row samples its only token
         i32[n_dec:d_cap] = 0                     # padding decode rows: skipped by the kernel
         # the chunks, after the decode rows
         ids, pos, slots, pf_tables, seq_lens, q_lens = host_inputs(prefill, self.ex.block_size)
+        if self.group_is_full:
+            slots, pf_tables = group_host_inputs(prefill, kv, self.group_is_full,
+                                                 self.ex.group_windows, self.ex.block_size)
+        else:
+            slots, pf_tables = [slots], [pf_tables]
         ends = n_dec + np.cumsum([0] + q_lens)
         used = int(ends[-1])
         h[0, n_dec:used] = np.concatenate(ids)
         h[1, n_dec:used] = np.concatenate(pos)
-        h[2, n_dec:used] = np.concatenate(slots)
+        for g, table_slots in enumerate(slots):
+            h[2 + g, n_dec:used] = np.concatenate(table_slots)
         h[0, used:bucket] = 0
         h[1, used:bucket] = 0
-        h[2, used:bucket] = -1                   # padding rows write nothing
+        h[2:, used:bucket] = -1                  # padding rows write nothing
         rows[n_dec:n_dec + n_pf] = ends[1:] - 1  # each chunk's last token
         rows[n_dec + n_pf:r_cap] = 0
         qsl = i32[top_d:top_d + top_p + 1]
@@ -256,23 +319,20 @@ class GraphSteps:
         pf_lens = i32[top_d + top_p + 1:]
         pf_lens[:n_pf] = seq_lens
         pf_lens[n_pf:p_cap] = 0
-        w_pf = max(len(t) for t in pf_tables)
-        flat = self.hm_tables.numpy()
-        dec_flat = flat[:n_dec * w_dec].reshape(n_dec, w_dec)
-        pf_flat = flat[n_dec * w_dec:n_dec * w_dec + n_pf * w_pf].reshape(n_pf, w_pf)
-        for j, t in enumerate(dec_tables):
-            dec_flat[j, :len(t)] = t
-        for j, t in enumerate(pf_tables):
-            pf_flat[j, :len(t)] = t
-        total = n_dec * w_dec + n_pf * w_pf
+        w_pf = max(len(t) for t in pf_tables[0])
+        dec_size, pf_size = n_t * n_dec * w_dec, n_t * n_pf * w_pf
+        pf_flat = flat[dec_size:dec_size + pf_size].reshape(n_t, n_pf, w_pf)
+        for g in range(n_t):
+            for j, t in enumerate(pf_tables[g]):
+                pf_flat[g, j, :len(t)] = t
         self.m_i64.copy_(self.hm_i64, non_blocking=True)
         self.m_rows.copy_(self.hm_rows, non_blocking=True)
         self.m_i32.copy_(self.hm_i32, non_blocking=True)
-        stage = self.m_tables_stage[:total]
-        stage.copy_(self.hm_tables[:total], non_blocking=True)
+        stage = self.m_tables_stage[:dec_size + pf_size]
+        stage.copy_(self.hm_tables[:dec_size + pf_size], non_blocking=True)
         if n_dec:
-            self.m_dec_tables[:n_dec, :w_dec].copy_(stage[:n_dec * w_dec].view(n_dec, w_dec))
-        self.m_pf_tables[:n_pf, :w_pf].copy_(stage[n_dec * w_dec:].view(n_pf, w_pf))
+            self.m_dec_tables[:, :n_dec, :w_dec].copy_(stage[:dec_size].view(n_t, n_dec, w_dec))
+        self.m_pf_tables[:, :n_pf, :w_pf].copy_(stage[dec_size:].view(n_t, n_pf, w_pf))
         prep_s = time.perf_counter() - t0
         logits, tokens = self._replay(self.mixed_graphs, bucket, self.mixed_step)
         n = n_dec + n_pf

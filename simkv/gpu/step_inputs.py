@@ -74,3 +74,52 @@ def pad_tables(tables: list) -> np.ndarray:
     for i, t in enumerate(tables):
         out[i, :len(t)] = t
     return out
+
+
+def group_tables(block_table, counts, full: list, windows: list, start: int, num_tokens: int,
+                 block_size: int) -> list:
+    """Per KV cache group, a sequence's block table over its first `num_tokens` tokens (int64,
+    ceil(num_tokens / block_size) entries), for a step from token `start` on.
+
+    `block_table` lists the sequence's live blocks group after group, `counts[g]` of them in
+    group g (the KV manager's `group_blocks_of`); `full[g]`: group g is full attention. Every
+    group's table has as many entries as a full-attention group's (one per allocated block), a
+    window group's leading ones freed: they hold no token any query of the step attends to, are
+    never read, and are 0 here. `counts` None (warm-up, the profiler's synthetic sequences: no
+    KV manager): every group uses the whole table, a window group (`windows[g]` tokens) with
+    the entries 0 that a KV manager would have freed by `start`, so that the tables are laid out
+    (and cost as much to build) as served ones."""
+    flat = np.asarray(block_table, dtype=np.int64)
+    used = cdiv(num_tokens, block_size)
+    tables = []
+    if counts is None:
+        for f, window in zip(full, windows):
+            lead = 0 if f or not window else min(max(0, start - window + 1) // block_size, used)
+            table = np.zeros(used, dtype=np.int64)
+            table[lead:] = flat[lead:used]
+            tables.append(table)
+        return tables
+    offsets = np.cumsum([0, *counts])
+    length = max([n for n, f in zip(counts, full) if f] or [used])
+    for g, n in enumerate(counts):
+        table = np.zeros(length, dtype=np.int64)
+        table[length - n:] = flat[offsets[g]:offsets[g] + n]
+        tables.append(table[:used])
+    return tables
+
+
+def group_host_inputs(items, kv, full: list, windows: list, block_size: int) -> tuple:
+    """Per KV cache group: the items' cache slots (an int64 array per item) and block-table rows
+    (`group_tables`; `kv` None: no KV manager)."""
+    bs = block_size
+    slots = [[] for _ in full]
+    tables = [[] for _ in full]
+    for it in items:
+        end = it.start + it.num_tokens
+        counts = kv.group_blocks_of(it.seq) if kv is not None else None
+        p = np.arange(it.start, end, dtype=np.int64)
+        for g, table in enumerate(group_tables(it.seq.block_table, counts, full, windows,
+                                               it.start, end, bs)):
+            slots[g].append(table[p // bs] * bs + p % bs)
+            tables[g].append(table)
+    return slots, tables

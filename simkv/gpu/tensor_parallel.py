@@ -192,6 +192,7 @@ def rank_engine(scenario, rank: int, world_size: int, device: str, job: dict,
 
 def _rank_executor(scenario, rank: int, world_size: int, device: str, job: dict):
     from simkv.engine.build import build_scheduler
+    from simkv.gpu.engine import engine_kv_groups
     from simkv.gpu.executor import GpuExecutor
     _, sizing = build_scheduler(scenario)
     return GpuExecutor(
@@ -201,7 +202,7 @@ def _rank_executor(scenario, rank: int, world_size: int, device: str, job: dict)
         max_num_seqs=scenario.scheduler.max_num_seqs,
         max_model_len=scenario.scheduler.max_model_len,
         max_num_batched_tokens=scenario.scheduler.max_num_batched_tokens,
-        model_factory=model_factory(rank, world_size))
+        model_factory=model_factory(rank, world_size), kv_groups=engine_kv_groups(sizing))
 
 
 def _offline_job(rank: int, world_size: int, device: str, job: dict) -> dict:

@@ -14,6 +14,7 @@ STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_t
                "num_prefill_seqs", "num_decode_seqs", "decode_context_tokens",
                "prefill_context_tokens", "prefill_attention_pairs", "decode_max_context",
                "graph", "time_s", "time_p10_s", "time_p90_s", "wall_s", "reps", "prep_s"]
+MAX_BATCHED_TOKENS = 8192  # the engine's max_num_batched_tokens the profiling executor is built for
 LONG_STEP_S = 0.05       # steps longer than this vary little: at most 3 timed repetitions
 REST_S = 0.1            # the clock probe saw the SM clock back at its top within tens of ms
 RESTED_STEPS = 3
@@ -44,11 +45,19 @@ def _time(executor, plan, reps: int, warmup: int = 1) -> dict:
     return _summary(times, walls)
 
 
-def served_eagerly(model) -> bool:
-    """Whether the engine serves `model` (a ModelSpec) without CUDA graphs: a layer other than
-    full attention gives its KV manager a table per group (simkv.gpu.engine `_kv_groups`)."""
-    types = tuple(getattr(model, "attention_types", ()) or ())
-    return any(t != "full_attention" for t in types)
+def profile_kv_groups(model, block_size: int):
+    """The `kv_groups` the engine's executor gets for `model` at `block_size` and the profile's
+    scheduler settings (simkv.gpu.engine `engine_kv_groups` of that sizing): the KV cache groups
+    of a window hybrid, None for a model of one group. Which layers share a group depends on the
+    model and the block size only, so the GPU the sizing is for does not matter."""
+    from simkv.config.sections import CacheConfig, SchedulerConfig
+    from simkv.gpu.engine import engine_kv_groups
+    from simkv.sizing import size_pool
+    from simkv.specs import load_gpu
+    sizing = size_pool(model, load_gpu("h200"), CacheConfig(block_size=block_size),
+                       SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
+                                       max_num_batched_tokens=MAX_BATCHED_TOKENS))
+    return engine_kv_groups(sizing)
 
 
 def profiling_executor(model, num_blocks: int, block_size: int, device, seed: int = 0,
@@ -58,16 +67,20 @@ def profiling_executor(model, num_blocks: int, block_size: int, device, seed: in
     on zeros). The probes in benchmarks/ build theirs here too. `model_factory`: a
     tensor-parallel rank's shards (simkv.gpu.tensor_parallel.model_factory).
 
-    A model with layers other than full attention (a window hybrid) is timed eagerly, as the
-    engine serves it: its KV manager keeps a table per group there, and steps with group
-    tables run without CUDA graphs (GpuExecutor `kv_groups`); the profile then has no graph
-    sizes and the cost model charges every step as eager."""
+    A window hybrid gets the engine's KV cache groups (`profile_kv_groups`), so its steps fill
+    the per-group slot mappings and block tables of the fixed-shape steps and run as CUDA graphs,
+    as served. The profile's synthetic sequences have no KV manager, so every group uses the
+    sequence's whole table (GpuExecutor `kv_groups`): each group's layers write and read the
+    same blocks (in their own cache slots' memory), the full layers over the whole context and
+    the sliding ones over their window only (the kernels visit no page before a query's window),
+    the pages a served step reads."""
     import torch
     from simkv.gpu.executor import GpuExecutor
     executor = GpuExecutor(model, num_blocks, block_size, num_host_blocks=0, device=str(device),
-                           seed=seed, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=8192,
-                           profile_memory=False, model_factory=model_factory,
-                           enforce_eager=served_eagerly(model))
+                           seed=seed, max_num_seqs=MAX_NUM_SEQS,
+                           max_num_batched_tokens=MAX_BATCHED_TOKENS, profile_memory=False,
+                           model_factory=model_factory,
+                           kv_groups=profile_kv_groups(model, block_size))
     with torch.inference_mode():
         executor.caches.normal_()
     return executor
