@@ -10,7 +10,6 @@ other tokens, so each piece is one the comparison checks. The engine's fixed-sha
 mapping and block tables per KV cache group, as CUDA graphs replay them) give the eager steps'
 tokens, and the plain model's, with prefix hits and with preemptions.
 """
-import math
 import os
 from pathlib import Path
 

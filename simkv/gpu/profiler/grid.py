@@ -9,12 +9,12 @@ from simkv.gpu.engine_pass import six_digits
 from simkv.gpu.host import frozen_heap
 from simkv.gpu.profiler.parts import MAX_NUM_SEQS
 from simkv.profile.design import MAX_CACHED_TOKENS, features, step_plan
+from simkv.sizing import PROFILE_ENGINE_BATCHED_TOKENS
 
 STEP_FIELDS = ["id", "family", "block_size", "num_prefill_tokens", "num_decode_tokens",
                "num_prefill_seqs", "num_decode_seqs", "decode_context_tokens",
                "prefill_context_tokens", "prefill_attention_pairs", "decode_max_context",
                "graph", "time_s", "time_p10_s", "time_p90_s", "wall_s", "reps", "prep_s"]
-MAX_BATCHED_TOKENS = 8192  # the engine's max_num_batched_tokens the profiling executor is built for
 LONG_STEP_S = 0.05       # steps longer than this vary little: at most 3 timed repetitions
 REST_S = 0.1            # the clock probe saw the SM clock back at its top within tens of ms
 RESTED_STEPS = 3
@@ -54,9 +54,9 @@ def profile_kv_groups(model, block_size: int):
     from simkv.gpu.engine import engine_kv_groups
     from simkv.sizing import size_pool
     from simkv.specs import load_gpu
-    sizing = size_pool(model, load_gpu("h200"), CacheConfig(block_size=block_size),
-                       SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
-                                       max_num_batched_tokens=MAX_BATCHED_TOKENS))
+    scheduler = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
+                                max_num_batched_tokens=PROFILE_ENGINE_BATCHED_TOKENS)
+    sizing = size_pool(model, load_gpu("h200"), CacheConfig(block_size=block_size), scheduler)
     return engine_kv_groups(sizing)
 
 
@@ -78,7 +78,8 @@ def profiling_executor(model, num_blocks: int, block_size: int, device, seed: in
     from simkv.gpu.executor import GpuExecutor
     executor = GpuExecutor(model, num_blocks, block_size, num_host_blocks=0, device=str(device),
                            seed=seed, max_num_seqs=MAX_NUM_SEQS,
-                           max_num_batched_tokens=MAX_BATCHED_TOKENS, profile_memory=False,
+                           max_num_batched_tokens=PROFILE_ENGINE_BATCHED_TOKENS,
+                           profile_memory=False,
                            model_factory=model_factory,
                            kv_groups=profile_kv_groups(model, block_size))
     with torch.inference_mode():

@@ -81,9 +81,11 @@ def _estimate_comparison(model, ledger: dict) -> dict:
     """Measured vs the foundation's estimate (simkv.sizing) at the default settings."""
     import simkv.sizing as sizing
     from simkv.config.scenario import SchedulerConfig
-    # the settings every committed ledger compares at (vLLM 0.18's defaults; a bare
-    # SchedulerConfig leaves both to the semantics, which this comparison has none of)
-    sched = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+    # the settings every committed ledger compares at, the profiling executor's (vLLM 0.18's
+    # defaults; a bare SchedulerConfig leaves both to the semantics, which this comparison has
+    # none of)
+    sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
+                            max_num_batched_tokens=PROFILE_ENGINE_BATCHED_TOKENS)
     estimate = {
         "weights_bytes": model.weight_bytes(sizing.WEIGHT_DTYPE_BYTES),
         "activation_bytes": sizing.estimate_activation_bytes(model, sched),
