@@ -54,8 +54,9 @@ smi=$!
       # the profile: block size 16 first (the validation's), 64 if the budget leaves room;
       # steps, the rested steps (the clock model), the engine pass, transfers and the ledger; the
       # fit is made on the CPU afterwards
-      timeout 560 python3 -m simkv.gpu.profiler --model "$MODEL" --block-sizes 16,64 \
-        --time-budget-s 400 --parts steps,rested,transfers,ledger,engine --out "$work/$MODEL"
+      # (BLOCK_SIZES, PARTS: other choices, e.g. PARTS=...,engine,serving for the serving pass)
+      timeout 560 python3 -m simkv.gpu.profiler --model "$MODEL" --block-sizes "${BLOCK_SIZES:-16,64}" \
+        --time-budget-s 400 --parts "${PARTS:-steps,rested,transfers,ledger,engine}" --out "$work/$MODEL"
       echo "profile rc $? at $(date -u +%T)" ;;
     *) echo "unknown run $what"; exit 2 ;;
   esac
