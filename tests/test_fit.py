@@ -312,7 +312,14 @@ COMMITTED = sorted((profiles_dir() / "h200").glob("*/fit.json"))
 @pytest.mark.parametrize("committed", COMMITTED, ids=[p.parent.name for p in COMMITTED])
 def test_committed_profiles_refit_to_their_committed_fit(committed, tmp_path):
     refit = F.fit_profile(committed.parent, out=tmp_path)
-    assert same_to_rounding(refit, json.loads(committed.read_text()))
+    fit = json.loads(committed.read_text())
+    # the cross-validation errors of the candidate forms with a host floor come from a discrete
+    # search (which eager rows sit on the floor), whose folds' medians moved by 2% on a fresh
+    # install of 2026-12-03 (numpy 2.4.6; 0.0245 -> 0.024 for the 8B) while the chosen form, its
+    # coefficients and its errors stayed the same: those figures to 5%, the rest to the rounding
+    cv, cv_committed = (f["form_selection"].pop("cv_error") for f in (refit, fit))
+    assert same_to_rounding(cv, cv_committed, rel=0.05)
+    assert same_to_rounding(refit, fit)
     profiled = json.loads((committed.parent / "meta.json").read_text())["block_sizes"]
     assert refit["block_sizes"] == sorted(profiled)     # every block size the profile measured
     assert refit["holdout"]["rows"] > 0 and refit["holdout"]["ids"]
