@@ -50,6 +50,13 @@ class GraphSteps:
         self.width = _cdiv(executor.max_model_len, executor.block_size)   # table columns
         self.group_is_full = executor.group_is_full     # per KV cache group; [] without groups
         self.num_tables = max(1, len(self.group_is_full))   # block tables (and slot mappings)
+        windows = {w for w, f in zip(executor.group_windows, self.group_is_full) if w and not f}
+        self._window_groups = [([g for g, w in enumerate(executor.group_windows)
+                                 if w == window and not self.group_is_full[g]], window)
+                               for window in sorted(windows)]
+        # id(seq) -> (seq, its block_table, key, `_group_array`); pruned at `_prune_at` entries
+        self._group_arrays: dict = {}
+        self._prune_at = 4 * executor.max_num_seqs
         self._decode_buffers()
         self._mixed_buffers()
 
@@ -206,50 +213,85 @@ class GraphSteps:
         return max([it.start // bs + 1 for it in single] or [1])
 
     def _write_decode_rows(self, single: list, h, lens, tables, kv=None) -> None:
-        """Write one-token decode items into rows [0, len(single)) of the host arrays as scalars
-        (ids, positions, each block table's slots into `h`; sequence lengths into `lens`; block
+        """Write one-token decode items into rows [0, len(single)) of the host arrays (ids,
+        positions, each block table's slots into `h`; sequence lengths into `lens`; block
         tables into `tables` [num_tables, len(single), `_decode_width`]). `kv`: the KV manager,
         whose `group_blocks_of` splits a sequence's blocks by group (KV cache groups)."""
         bs, full = self.ex.block_size, self.group_is_full
         for j, it in enumerate(single):
             seq, p = it.seq, it.start
-            table = seq.block_table
             h[0, j] = seq.token_ids[p]
             h[1, j] = p
             lens[j] = p + 1
             if full:
-                self._write_group_row(table, kv.group_blocks_of(seq) if kv is not None else None,
-                                      p, j, h, tables)
+                self._write_group_row(seq, kv, p, j, h, tables)
             else:
+                table = seq.block_table
                 h[2, j] = table[p // bs] * bs + p % bs
                 tables[0, j, :p // bs + 1] = table[:p // bs + 1]
 
-    def _write_group_row(self, table: list, counts, p: int, j: int, h, tables) -> None:
+    def _write_group_row(self, seq, kv, p: int, j: int, h, tables) -> None:
         """Row j of every group's table and slot mapping for the decode at position `p`: the
-        layout of `step_inputs.group_tables` (a window group's freed leading entries 0), written
-        in place (a step of hundreds of decodes over seven groups would spend milliseconds on
-        the arrays `group_tables` builds). `counts` None (no KV manager): every group uses the
-        whole table, a window group's entries before its window 0, as `group_tables` has them."""
-        bs, full = self.ex.block_size, self.group_is_full
+        layout of `step_inputs.group_tables` (a window group's freed leading entries 0), copied
+        from the sequence's `_group_array` in one operation for the tables and one for the
+        slots. `kv` None (no KV manager): every group uses the whole table, a window group's
+        entries before its window 0, as `group_tables` has them."""
+        bs = self.ex.block_size
         used = p // bs + 1
-        whole = counts is None
-        if whole:
-            counts = [len(table)] * len(full)
-        length = max([n for n, f in zip(counts, full) if f] or [used])
-        offset = 0
-        for g, n in enumerate(counts):
-            if whole:                # the window's freed entries as a KV manager frees them
-                window = self.ex.group_windows[g]
-                lead = 0 if full[g] or not window else min(max(0, p - window + 1) // bs, used)
-                offset = lead
-            else:
-                lead = min(length - n, used)
-            row = tables[g, j]
-            row[:lead] = 0
-            row[lead:used] = table[offset:offset + used - lead]
-            h[2 + g, j] = table[offset + p // bs - lead] * bs + p % bs
-            if not whole:
+        rows = self._group_array(seq, kv, used)
+        if kv is None:
+            tables[:, j, :used] = rows[:used]
+            for groups, window in self._window_groups:
+                lead = min(max(0, p - window + 1) // bs, used)
+                if lead:
+                    tables[groups, j, :lead] = 0
+            h[2:, j] = rows[p // bs] * bs + p % bs
+        else:
+            tables[:, j, :used] = rows[:, :used]
+            h[2:, j] = rows[:, p // bs] * bs + p % bs
+
+    def _group_array(self, seq, kv, used: int) -> np.ndarray:
+        """The sequence's block table as an int64 array, kept while `seq.block_table` is the
+        same list. With a KV manager [num_tables, entries]: each group's table as
+        `step_inputs.group_tables` lays it out (as many entries as a full group's, a window
+        group's freed leading ones 0); without one the table itself. HybridKVCacheManager
+        assigns a new list whenever a sequence's blocks change, never edits one in place, and
+        the profiler's sequences keep theirs; so a step reads a sequence's block ids from its
+        Python list once per change, not once per group and step: served, those are hundreds
+        of lists of scattered int objects, cold after the rest of the step's host work
+        (test_decode_rows_follow_the_kv_managers_tables_step_by_step)."""
+        table = seq.block_table
+        has_full = any(self.group_is_full)
+        key = (kv is None, -1 if has_full or kv is None else used)
+        held = self._group_arrays.get(id(seq))
+        if held is not None and held[0] is seq and held[1] is table and held[2] == key:
+            return held[3]
+        if len(self._group_arrays) >= self._prune_at:
+            self._prune_group_arrays()
+        flat = np.asarray(table, dtype=np.int64)
+        if kv is None:
+            rows = flat
+        else:
+            counts = kv.group_blocks_of(seq)
+            full = self.group_is_full
+            length = max([n for n, f in zip(counts, full) if f] or [used])
+            rows = np.zeros((self.num_tables, length), dtype=np.int64)
+            offset = 0
+            for g, n in enumerate(counts):
+                lead = max(0, length - n)
+                rows[g, lead:] = flat[offset:offset + length - lead]
                 offset += n
+        self._group_arrays[id(seq)] = (seq, table, key, rows)
+        return rows
+
+    def _prune_group_arrays(self) -> None:
+        """Drop the arrays of sequences whose table has changed since (a freed sequence's is
+        an empty list); the bound then doubles if what is left is still over half of it (the
+        profiler's grid keeps thousands of fixed sequences alive, a served run at most its
+        running ones and those admitted since)."""
+        self._group_arrays = {k: held for k, held in self._group_arrays.items()
+                              if held[0].block_table is held[1]}
+        self._prune_at = max(self._prune_at, 2 * len(self._group_arrays))
 
     def run_decode(self, single: list, kv=None) -> tuple:
         """A decode-only step: (sampled tokens in the order of `single`, host prep seconds).
