@@ -14,7 +14,8 @@ one full group, block size 16, max_model_len 16,384) over a tiny model; the forw
   served a while (finished sequences replaced, so blocks come from a churned free queue and
   the windows have freed blocks), every step allocating a slot per sequence, then timed once;
   `--disturb-mb` of unrelated memory touched between steps (a forward's and the scheduler's
-  host work).
+  host work). Beside these: the profile's step with the memory touched between repetitions,
+  the served steps without it, and the served steps without the KV manager (kv=None).
 
 Each figure is CPU seconds of the process (time.process_time) per decode, summed over the
 timed steps, min and median over `--repeats` rounds; the ways alternate within each round.
