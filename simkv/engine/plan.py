@@ -76,26 +76,23 @@ class StepPlan:
     def count_tokens(self) -> None:
         """Fill in the counts of what `scheduled` computes: prefill and decode tokens, prefill
         chunks, context lengths, the longest decode context, prefill attention's pairs."""
-        prefill_tokens = decode_tokens = prefill_seqs = 0
-        decode_ctx = prefill_ctx = pairs = longest = 0
-        for item in self.scheduled:
-            if item.is_decode:
-                decode_tokens += 1
-                ctx = item.start + 1
-                decode_ctx += ctx
-                if ctx > longest:
-                    longest = ctx
-            else:
-                n = item.num_tokens
-                prefill_seqs += 1
-                prefill_tokens += n
-                prefill_ctx += item.start + n
-                pairs += n * item.start + n * (n + 1) // 2
-        self.decode_max_context = longest
+        scheduled = self.scheduled
+        starts = [item.start for item in scheduled if item.is_decode]
+        decode_tokens = len(starts)
+        prefill_tokens = prefill_seqs = prefill_ctx = pairs = 0
+        if decode_tokens < len(scheduled):
+            for item in scheduled:
+                if not item.is_decode:
+                    n = item.num_tokens
+                    prefill_seqs += 1
+                    prefill_tokens += n
+                    prefill_ctx += item.start + n
+                    pairs += n * item.start + n * (n + 1) // 2
+        self.decode_max_context = max(starts) + 1 if starts else 0
         self.num_prefill_tokens = prefill_tokens
         self.num_decode_tokens = decode_tokens
         self.num_prefill_seqs = prefill_seqs
-        self.decode_context_tokens = decode_ctx
+        self.decode_context_tokens = sum(starts) + decode_tokens     # contexts: start + 1
         self.prefill_context_tokens = prefill_ctx
         self.prefill_attention_pairs = pairs
 

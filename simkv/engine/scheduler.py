@@ -185,7 +185,8 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Running requests first, in admission order, preempting when slots run out; returns
         the token budget left."""
-        append = plan.scheduled.append
+        scheduled = plan.scheduled
+        append = scheduled.append
         running = self.running
         kv = self.kv
         allocate = kv.allocate_slots
@@ -193,30 +194,39 @@ class Scheduler:
         # tail block (its allocate_slots' first case), made here without the call
         in_place = getattr(kv, "tail_append", None)
         bs, ref_cnt, cache_full = in_place() if in_place is not None else (0, None, None)
+        last = bs - 1
         i = 0
         count = len(running)
         while i < count and budget > 0:
-            req = running[i]
-            seqs = req.seqs
-            if len(seqs) == 1:        # the common case, a one-sequence decode, without ceremony
+            # the common case, one-sequence decodes, without ceremony, up to the first other
+            # request (or one whose token finds no slot: _schedule_request preempts for it)
+            mark = len(scheduled)
+            for req in running[i:i + budget]:
+                seqs = req.seqs
+                if len(seqs) != 1:
+                    break
                 seq = seqs[0]
                 computed = seq.num_computed_tokens
-                if seq.num_tokens - computed == 1 and computed >= req.prompt_tokens:
-                    if bs and computed % bs:
+                if seq.num_tokens - computed != 1 or computed < req.prompt_tokens:
+                    break
+                if bs:
+                    r = computed % bs
+                    if r:
                         table = seq.block_table
                         if len(table) == computed // bs + 1 and ref_cnt[table[-1]] == 1:
-                            if cache_full is not None and (computed + 1) % bs == 0:
+                            if r == last and cache_full is not None:
                                 cache_full(seq, computed + 1)
                             append(ScheduledSeq(seq, computed, 1, True))
-                            budget -= 1
-                            i += 1
                             continue
-                    if allocate(seq, 1):
-                        append(ScheduledSeq(seq, computed, 1, True))
-                        budget -= 1
-                        i += 1
-                        continue
-            i, budget = self._schedule_request(plan, req, i, budget)
+                if not allocate(seq, 1):
+                    break
+                append(ScheduledSeq(seq, computed, 1, True))
+            done = len(scheduled) - mark
+            i += done
+            budget -= done
+            if i >= count or budget <= 0:
+                break
+            i, budget = self._schedule_request(plan, running[i], i, budget)
             count = len(running)
             if self._stop_running:
                 self._stop_running = False
@@ -493,10 +503,9 @@ class Scheduler:
             req = seq.request
             computed = seq.num_computed_tokens + item.num_tokens
             seq.num_computed_tokens = computed
-            several = req.n > 1
-            if several and len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
-                    and computed >= req.prompt_tokens:
-                self._refork(plan, req, seq)
+            if req.n > 1:
+                self._finish_sample(plan, req, seq, computed, outputs, now)
+                continue
             if computed < seq.num_tokens:
                 continue                      # a prefill chunk: no token yet
             if outputs is not None:
@@ -509,10 +518,32 @@ class Scheduler:
             elif req.first_token_s != req.first_token_s:
                 req.first_token_s = now       # first token of the request (NaN check)
             seq.last_token_s = now
-            if several and len(req.all_seqs) == 1:
-                self._fork(plan, req, seq)
             if out >= req.output_tokens:
                 self._finish_seqs(req, now)
+
+    def _finish_sample(self, plan: StepPlan, req: Request, seq: Sequence, computed: int,
+                       outputs: dict | None, now: float) -> None:
+        """`finish_step` for one sequence of a request with n > 1 samples, `computed` tokens
+        of it now computed: re-forks after a recompute and the fork after the prompt too."""
+        if len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
+                and computed >= req.prompt_tokens:
+            self._refork(plan, req, seq)
+        if computed < seq.num_tokens:
+            return                            # a prefill chunk: no token yet
+        if outputs is not None:
+            seq.token_ids.append(outputs[seq.seq_id])
+        seq.num_tokens += 1
+        out = seq.num_output_tokens + 1
+        seq.num_output_tokens = out
+        if out > 1:
+            self.itl_s.append(now - seq.last_token_s)
+        elif req.first_token_s != req.first_token_s:
+            req.first_token_s = now
+        seq.last_token_s = now
+        if len(req.all_seqs) == 1:
+            self._fork(plan, req, seq)
+        if out >= req.output_tokens:
+            self._finish_seqs(req, now)
 
     # -- asynchronous scheduling: the next step is scheduled while this one runs -------------
     def launch_step(self, plan: StepPlan) -> None:

@@ -220,6 +220,18 @@ class PagedKVCacheManager:
                 if (start + 1) % bs == 0 and self.enable_prefix_caching:
                     self._cache_full_blocks(seq, start + 1)
                 return True
+            if not start % bs and len(table) == start // bs and not admission \
+                    and not reserve_tokens:
+                # The other common decode: the token opens the sequence's next block (what
+                # the general case below does for it: one block, no copy, no reserve)
+                pool = self.pool
+                if not pool.free_queue.size:
+                    return False
+                table.extend(pool.take(1))
+                self.seqs[seq.seq_id] = seq
+                if self.enable_prefix_caching and (start + 1) // bs > seq.num_cached_blocks:
+                    self._cache_full_blocks(seq, start + 1)
+                return True
         num_cached = len(cached_blocks)
         start = seq.num_computed_tokens + num_cached * bs
         end = start + num_new_tokens
@@ -264,7 +276,9 @@ class PagedKVCacheManager:
         num_full = num_tokens // self.block_size
         if num_full <= seq.num_cached_blocks:
             return
-        hashes = extend_block_hashes(seq, num_full, self.block_size)
+        hashes = seq.block_hashes
+        if len(hashes) < num_full:
+            hashes = extend_block_hashes(seq, num_full, self.block_size)
         table = seq.block_table
         pool = self.pool
         cached, block_hash = pool.cached, pool.block_hash
