@@ -503,9 +503,10 @@ class Scheduler:
             req = seq.request
             computed = seq.num_computed_tokens + item.num_tokens
             seq.num_computed_tokens = computed
-            if req.n > 1:
-                self._finish_sample(plan, req, seq, computed, outputs, now)
-                continue
+            several = req.n > 1
+            if several and len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
+                    and computed >= req.prompt_tokens:
+                self._refork(plan, req, seq)
             if computed < seq.num_tokens:
                 continue                      # a prefill chunk: no token yet
             if outputs is not None:
@@ -518,32 +519,10 @@ class Scheduler:
             elif req.first_token_s != req.first_token_s:
                 req.first_token_s = now       # first token of the request (NaN check)
             seq.last_token_s = now
+            if several and len(req.all_seqs) == 1:
+                self._fork(plan, req, seq)
             if out >= req.output_tokens:
                 self._finish_seqs(req, now)
-
-    def _finish_sample(self, plan: StepPlan, req: Request, seq: Sequence, computed: int,
-                       outputs: dict | None, now: float) -> None:
-        """`finish_step` for one sequence of a request with n > 1 samples, `computed` tokens
-        of it now computed: re-forks after a recompute and the fork after the prompt too."""
-        if len(req.seqs) > 1 and req.seqs[-1].num_computed_tokens == 0 \
-                and computed >= req.prompt_tokens:
-            self._refork(plan, req, seq)
-        if computed < seq.num_tokens:
-            return                            # a prefill chunk: no token yet
-        if outputs is not None:
-            seq.token_ids.append(outputs[seq.seq_id])
-        seq.num_tokens += 1
-        out = seq.num_output_tokens + 1
-        seq.num_output_tokens = out
-        if out > 1:
-            self.itl_s.append(now - seq.last_token_s)
-        elif req.first_token_s != req.first_token_s:
-            req.first_token_s = now
-        seq.last_token_s = now
-        if len(req.all_seqs) == 1:
-            self._fork(plan, req, seq)
-        if out >= req.output_tokens:
-            self._finish_seqs(req, now)
 
     # -- asynchronous scheduling: the next step is scheduled while this one runs -------------
     def launch_step(self, plan: StepPlan) -> None:
