@@ -57,6 +57,7 @@ class GraphSteps:
         # id(seq) -> (seq, its block_table, key, `_group_array`); pruned at `_prune_at` entries
         self._group_arrays: dict = {}
         self._prune_at = 4 * executor.max_num_seqs
+        self._has_full_group = any(self.group_is_full)   # its tables do not depend on `used`
         self._decode_buffers()
         self._mixed_buffers()
 
@@ -261,8 +262,7 @@ class GraphSteps:
         of lists of scattered int objects, cold after the rest of the step's host work
         (test_decode_rows_follow_the_kv_managers_tables_step_by_step)."""
         table = seq.block_table
-        has_full = any(self.group_is_full)
-        key = (kv is None, -1 if has_full or kv is None else used)
+        key = (kv is None, -1 if self._has_full_group or kv is None else used)
         held = self._group_arrays.get(id(seq))
         if held is not None and held[0] is seq and held[1] is table and held[2] == key:
             return held[3]
