@@ -15,6 +15,8 @@ the KV manager indexes duplicates, so the common path never looks at it. Removin
 """
 from __future__ import annotations
 
+from array import array
+
 
 class FreeQueue:
     """The free blocks, oldest freed first: a list read from a head index, so that taking n
@@ -31,7 +33,7 @@ class FreeQueue:
         """Blocks 0..num_blocks-1, all free, in that order."""
         self.q = list(range(num_blocks))
         self.head = 0
-        self.pos = list(range(num_blocks))
+        self.pos = array("q", range(num_blocks))
         self.size = num_blocks
         self.dead = 0                # dead entries at or after head
 
@@ -150,6 +152,17 @@ class BlockPool:
         ref_cnt, block_hash = self.ref_cnt, self.block_hash
         queue = self.free_queue
         q, pos = queue.q, queue.pos
+        if not self.num_shared_blocks:
+            # No block has a second reference, so every one of these is freed: the loop
+            # below without its tests (tests/test_block_pool.py compares the two).
+            blocks = list(blocks_in_eviction_order)
+            for i, block in enumerate(blocks, len(q)):
+                ref_cnt[block] = 0
+                pos[block] = i
+            q.extend(blocks)
+            queue.size += len(blocks)
+            self.num_cached_free += len(blocks) - [block_hash[b] for b in blocks].count(None)
+            return
         shared_refs = shared_blocks = cached_free = freed = 0
         for block in blocks_in_eviction_order:
             refs = ref_cnt[block] - 1

@@ -96,9 +96,16 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
     if i >= num_full_blocks:
         return hashes
     req = seq.request
-    parent = hashes[-1] if hashes else req.hash_root
     tokens = seq.token_ids
     prompt = req.prompt_tokens
+    if i * block_size > prompt and tokens is None and req.parent is None and not req.mm_spans:
+        # The block before is the sample's own too (wholly past the prompt), so these go on
+        # from its hash along unique_hashes' range (the common decode: one block at a time).
+        stride = _BLOCK_STRIDE
+        last = hashes[-1]
+        hashes.extend(range(last - stride, last - stride * (num_full_blocks - i + 1), -stride))
+        return hashes
+    parent = hashes[-1] if hashes else req.hash_root
     append = hashes.append
     root = req.hash_root
     if tokens is None and (req.parent is not None or req.mm_spans):
