@@ -116,22 +116,32 @@ class BlockPool:
         """Pop `count` blocks from the front of the free queue (caller checked there are enough)."""
         blocks = self.free_queue.pop_front(count)
         ref_cnt, block_hash = self.ref_cnt, self.block_hash
-        if self.num_cached_free:
-            cached, duplicates, evicted = self.cached, self.duplicates, 0
+        if not self.num_cached_free:
             for block in blocks:
+                ref_cnt[block] = 1
+            return blocks
+        if self.duplicates:
+            evicted = 0
+            for block in blocks:
+                ref_cnt[block] = 1
                 h = block_hash[block]
                 if h is not None:
-                    evicted += 1
-                    if duplicates:
-                        self._unindex(block, h)
-                    else:             # no duplicates: the block is its hash's only one
-                        del cached[h]
+                    self._unindex(block, h)
                     block_hash[block] = None
-            self.num_cached_free -= evicted
-            self.num_evictions += evicted
-            self.num_removals += evicted
-        for block in blocks:
-            ref_cnt[block] = 1
+                    evicted += 1
+        else:                     # no duplicates: a hashed block is its hash's only one
+            cached = self.cached
+            indexed = len(cached)
+            for block in blocks:
+                ref_cnt[block] = 1
+                h = block_hash[block]
+                if h is not None:
+                    del cached[h]
+                    block_hash[block] = None
+            evicted = indexed - len(cached)
+        self.num_cached_free -= evicted
+        self.num_evictions += evicted
+        self.num_removals += evicted
         return blocks
 
     def touch(self, blocks) -> None:

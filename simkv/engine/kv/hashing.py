@@ -101,9 +101,10 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
     if i * block_size > prompt and tokens is None and req.parent is None and not req.mm_spans:
         # The block before is the sample's own too (wholly past the prompt), so these go on
         # from its hash along unique_hashes' range (the common decode: one block at a time).
-        stride = _BLOCK_STRIDE
-        last = hashes[-1]
-        hashes.extend(range(last - stride, last - stride * (num_full_blocks - i + 1), -stride))
+        h = hashes[-1]
+        for _ in range(num_full_blocks - i):
+            h -= _BLOCK_STRIDE
+            hashes.append(h)
         return hashes
     parent = hashes[-1] if hashes else req.hash_root
     append = hashes.append

@@ -7,7 +7,6 @@ runs next does not (that is the scheduler's business).
 from __future__ import annotations
 
 from simkv.engine.kv.block_pool import BlockPool
-from simkv.engine.decode_run import opening_steps
 from simkv.engine.kv.hashing import extend_block_hashes
 from simkv.engine.request import Sequence
 
@@ -136,8 +135,14 @@ class PagedKVCacheManager:
         own, so the order of registering does not matter). Returns the blocks taken in each
         step (index 0 unused)."""
         bs = self.block_size
-        opens = [(k, i) for i, c in enumerate(starts)
-                 for k in opening_steps(c, bs, first_step, steps)]
+        opens = []                       # (step, sequence index) of each block opened
+        for i, c in enumerate(starts):
+            # opening_steps(c, bs, first_step, steps) without the call: the first step from
+            # first_step on whose token c + k - 1 starts a block, then every bs steps
+            k = first_step + (1 - first_step - c) % bs
+            while k <= steps:
+                opens.append((k, i))
+                k += bs
         opened = [0] * (steps + 1)
         if opens:
             opens.sort()
