@@ -62,6 +62,7 @@ def test_the_free_queue_keeps_the_order_of_an_lru_list(ops):
             queue.append(block)
         assert len(queue) == len(model)
         assert list(queue) == list(model)
+        assert queue.front(k % (len(model) + 1)) == list(model)[:k % (len(model) + 1)]
         assert all((b in queue) == (b in model) for b in range(n))
 
 

@@ -22,17 +22,20 @@ class FreeQueue:
     """The free blocks, oldest freed first: a list read from a head index, so that taking n
     blocks from the front is one slice.
 
-    `pos[block]` is the index of the block's entry while it is queued. A block taken back from
-    the middle (`remove`) leaves a dead entry behind (its `pos` no longer points there), which
-    the front skips when it reaches it; a block freed again is appended anew. The list is
-    compacted when the consumed part outgrows what is queued."""
+    Entries are numbered in the order they were appended; `pos[block]` is the number of the
+    block's entry while it is queued, and entry k is `q[k - base]` (`base`: entries dropped
+    from the front of the list). A block taken back from the middle (`remove`) leaves a dead
+    entry behind (its `pos` no longer points there), which the front skips when it reaches it;
+    a block freed again is appended anew. The consumed part of the list is dropped when it
+    outgrows what is queued (no entry is renumbered unless dead ones are dropped too)."""
 
     COMPACT_AT = 4096
 
     def __init__(self, num_blocks: int):
         """Blocks 0..num_blocks-1, all free, in that order."""
         self.q = list(range(num_blocks))
-        self.head = 0
+        self.head = 0                # index in q of the oldest entry not yet consumed
+        self.base = 0
         self.pos = array("q", range(num_blocks))
         self.size = num_blocks
         self.dead = 0                # dead entries at or after head
@@ -41,36 +44,47 @@ class FreeQueue:
         return self.size
 
     def __contains__(self, block) -> bool:
-        p, q = self.pos[block], self.q
+        p, q = self.pos[block] - self.base, self.q
         return self.head <= p < len(q) and q[p] == block
 
     def __iter__(self):
         q, pos = self.q, self.pos
-        return (b for i, b in enumerate(q[self.head:], self.head) if pos[b] == i)
+        return (b for k, b in enumerate(q[self.head:], self.base + self.head) if pos[b] == k)
+
+    def front(self, count: int) -> list:
+        """The `count` oldest blocks, left queued (the caller checked there are that many)."""
+        if not self.dead:
+            return self.q[self.head:self.head + count]
+        return self._live_from_head(count)[0]
 
     def pop_front(self, count: int) -> list:
         """Take the `count` oldest blocks (the caller checked there are that many)."""
         head = self.head
-        end = head + count
         if self.dead:
-            q, pos = self.q, self.pos
-            blocks = []
-            i = head
-            while len(blocks) < count:
-                b = q[i]
-                if pos[b] == i:
-                    blocks.append(b)
-                else:
-                    self.dead -= 1
-                i += 1
-            end = i
+            blocks, end = self._live_from_head(count)
+            self.dead -= end - head - count
         else:
+            end = head + count
             blocks = self.q[head:end]
         self.head = end
         self.size -= count
         if end >= self.COMPACT_AT and end > 2 * self.size:
             self._compact()
         return blocks
+
+    def _live_from_head(self, count: int) -> tuple:
+        """The first `count` live entries' blocks and the index in q just past the last."""
+        q, pos = self.q, self.pos
+        blocks = []
+        i = self.head
+        k = self.base + i
+        while len(blocks) < count:
+            b = q[i]
+            if pos[b] == k:
+                blocks.append(b)
+            i += 1
+            k += 1
+        return blocks, i
 
     def remove(self, block) -> None:
         """Take a queued block out from wherever it stands."""
@@ -80,18 +94,23 @@ class FreeQueue:
 
     def append(self, block) -> None:
         q = self.q
-        self.pos[block] = len(q)
+        self.pos[block] = self.base + len(q)
         q.append(block)
         self.size += 1
 
     def _compact(self) -> None:
-        q, head, pos = self.q, self.head, self.pos
-        live = q[head:] if not self.dead else \
-            [b for i, b in enumerate(q[head:], head) if pos[b] == i]
-        self.q = live
-        self.head = self.dead = 0
-        for i, b in enumerate(live):
-            pos[b] = i
+        q, head = self.q, self.head
+        if not self.dead:
+            del q[:head]
+            self.base += head
+        else:                        # drop the dead entries too: the live ones renumbered
+            pos = self.pos
+            live = [b for k, b in enumerate(q[head:], self.base + head) if pos[b] == k]
+            self.q = live
+            self.base = self.dead = 0
+            for k, b in enumerate(live):
+                pos[b] = k
+        self.head = 0
 
 
 class BlockPool:
@@ -166,13 +185,14 @@ class BlockPool:
             # No block has a second reference, so every one of these is freed: the loop
             # below without its tests (tests/test_block_pool.py compares the two).
             blocks = list(blocks_in_eviction_order)
-            for i, block in enumerate(blocks, len(q)):
+            for k, block in enumerate(blocks, queue.base + len(q)):
                 ref_cnt[block] = 0
-                pos[block] = i
+                pos[block] = k
             q.extend(blocks)
             queue.size += len(blocks)
             self.num_cached_free += len(blocks) - [block_hash[b] for b in blocks].count(None)
             return
+        base = queue.base
         shared_refs = shared_blocks = cached_free = freed = 0
         for block in blocks_in_eviction_order:
             refs = ref_cnt[block] - 1
@@ -182,7 +202,7 @@ class BlockPool:
                 if refs == 1:
                     shared_blocks += 1
             elif refs == 0:       # queue.append, inlined
-                pos[block] = len(q)
+                pos[block] = base + len(q)
                 q.append(block)
                 freed += 1
                 if block_hash[block] is not None:

@@ -301,10 +301,12 @@ class PagedKVCacheManager:
                         cached[h] = block
                     block_hash[block] = h
         else:
-            for i in range(seq.num_cached_blocks, num_full):   # pool.cache(block, h), inlined
+            # pool.cache(block, h), inlined: a hash already indexed keeps its block (setdefault
+            # hands that one back), and an unhashed block is never the one indexed
+            register = cached.setdefault
+            for i in range(seq.num_cached_blocks, num_full):
                 block, h = table[i], hashes[i]
-                if h not in cached and block_hash[block] is None:
-                    cached[h] = block
+                if block_hash[block] is None and register(h, block) is block:
                     block_hash[block] = h
         seq.num_cached_blocks = num_full
 

@@ -193,16 +193,8 @@ def hashed_among_first_free(pool, count: int) -> set:
     out = set()
     if not count or not pool.num_cached_free:
         return out
-    queue = pool.free_queue
-    q, pos, block_hash = queue.q, queue.pos, pool.block_hash
-    i = queue.head
-    while count:
-        block = q[i]
-        if pos[block] == i:
-            count -= 1
-            if block_hash[block] is not None:
-                out.add(block)
-        i += 1
+    block_hash = pool.block_hash
+    out.update(block for block in pool.free_queue.front(count) if block_hash[block] is not None)
     return out
 
 
