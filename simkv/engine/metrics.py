@@ -12,8 +12,7 @@ import math
 from array import array
 from collections import Counter
 from functools import reduce
-from itertools import repeat
-from operator import add, mul, truediv
+from operator import add, mul
 
 import numpy as np
 import pandas as pd
@@ -140,15 +139,10 @@ class MetricsRecorder:
         scale = self.block_size
         self.busy_s = reduce(add, durations, self.busy_s)
         self.used_block_s = reduce(add, map(mul, used_rows, durations), self.used_block_s)
-        if 0 in used_rows:
-            self.frag_s = reduce(add, [d * waste / (used * scale) for d, used, waste
-                                       in zip(durations, used_rows, waste_rows) if used],
-                                 self.frag_s)
-        else:                   # the same products and quotients, made in C
-            slots = map(mul, used_rows, repeat(scale))
-            self.frag_s = reduce(add, map(truediv, map(mul, durations, waste_rows), slots),
-                                 self.frag_s)
-        self.running_seq_s = reduce(add, map(mul, repeat(n), durations), self.running_seq_s)
+        self.frag_s = reduce(add, [d * waste / (used * scale) for d, used, waste
+                                   in zip(durations, used_rows, waste_rows) if used],
+                             self.frag_s)
+        self.running_seq_s = reduce(add, [n * d for d in durations], self.running_seq_s)
         peak = max(used_rows)
         if peak > self.used_peak:
             self.used_peak = peak

@@ -183,7 +183,7 @@ class BlockPool:
         q, pos = queue.q, queue.pos
         if not self.num_shared_blocks:
             # No block has a second reference, so every one of these is freed: the loop
-            # below without its tests (tests/test_block_pool.py compares the two).
+            # below without its tests (tests/test_fast_parts.py compares the pool with a plain one).
             blocks = list(blocks_in_eviction_order)
             for k, block in enumerate(blocks, queue.base + len(q)):
                 ref_cnt[block] = 0
