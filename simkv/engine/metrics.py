@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from functools import reduce
-from operator import add, mul
 
 import numpy as np
 import pandas as pd
@@ -131,18 +129,21 @@ class MetricsRecorder:
         self._run_m.append(m)
         self._run_n.append(n)
         self._run_waiting.append(plan.num_waiting)
-        self._run_starts.extend(ends[:m])
-        self._run_durations.extend(durations)
-        self._run_used.extend(used_rows)
-        # the sums as record_step adds them, step after step (reduce adds left to right: the
-        # same floats)
+        self._run_starts.fromlist(ends[:m])          # fromlist: a list in one go, not item
+        self._run_durations.fromlist(durations)      # by item as extend takes it
+        self._run_used.fromlist(used_rows)
+        # the sums as record_step adds them, step after step: the same floats
         scale = self.block_size
-        self.busy_s = reduce(add, durations, self.busy_s)
-        self.used_block_s = reduce(add, map(mul, used_rows, durations), self.used_block_s)
-        self.frag_s = reduce(add, [d * waste / (used * scale) for d, used, waste
-                                   in zip(durations, used_rows, waste_rows) if used],
-                             self.frag_s)
-        self.running_seq_s = reduce(add, [n * d for d in durations], self.running_seq_s)
+        busy, used_s, frag, running = self.busy_s, self.used_block_s, self.frag_s, \
+            self.running_seq_s
+        for d, used, waste in zip(durations, used_rows, waste_rows):
+            busy += d
+            used_s += used * d
+            if used:
+                frag += d * waste / (used * scale)
+            running += n * d
+        self.busy_s, self.used_block_s, self.frag_s, self.running_seq_s = \
+            busy, used_s, frag, running
         peak = max(used_rows)
         if peak > self.used_peak:
             self.used_peak = peak
