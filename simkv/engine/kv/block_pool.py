@@ -185,12 +185,15 @@ class BlockPool:
             # No block has a second reference, so every one of these is freed: the loop
             # below without its tests (tests/test_fast_parts.py compares the pool with a plain one).
             blocks = list(blocks_in_eviction_order)
+            hashed = 0
             for k, block in enumerate(blocks, queue.base + len(q)):
                 ref_cnt[block] = 0
                 pos[block] = k
+                if block_hash[block] is not None:
+                    hashed += 1
             q.extend(blocks)
             queue.size += len(blocks)
-            self.num_cached_free += len(blocks) - [block_hash[b] for b in blocks].count(None)
+            self.num_cached_free += hashed
             return
         base = queue.base
         shared_refs = shared_blocks = cached_free = freed = 0

@@ -55,11 +55,11 @@ class PagedKVCacheManager:
     # -- queries ------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.pool.free_queue)
+        return self.pool.free_queue.size
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.pool.free_queue)
+        return self.num_blocks - self.pool.free_queue.size
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -251,7 +251,7 @@ class PagedKVCacheManager:
         if reserve_tokens > end:
             need += max(0, -(-reserve_tokens // bs) - max(-(-end // bs), len(table) + num_cached))
         if need or num_cached:
-            available = len(pool.free_queue)
+            available = pool.free_queue.size
             if num_cached:
                 available -= pool.count_free_among(cached_blocks)
             if admission:
