@@ -263,18 +263,18 @@ class StepLayout:
                 yield self.decode_tail_tokens(n, longest0 + k, context0 + n * k, graph,
                                               block_size), k + 1
                 k += 1
-        grouping, value, valid_until, residues = None, 0.0, 0, ()
+        grouping, value, valid_until = None, 0.0, 0
         fixed = self.tail_grouping(n, longest0 + 1, graph, block_size) if graph else None
         while True:         # a graphed batch's split rule does not read its longest context
             g = fixed or self.tail_grouping(n, longest0 + k, graph, block_size)
             if g != grouping:
                 grouping, valid_until = g, k
-                residues = {c % g[0] for c in starts}
             if k >= valid_until:
                 span, tile, groups = g
                 value = listed_tail([(c + k + span - 1) // span * tile for c in starts], groups)
-                # the next step where a context becomes q x span + 1 (its programs grow)
-                valid_until = k + min(((1 - r - k) % span) or span for r in residues)
+                # the next step where a context becomes q x span + 1 (its programs grow): the
+                # least (1 - c - k) % span, a 0 counting as span
+                valid_until = k + 1 + min([(-c - k) % span for c in starts])
             until = valid_until if fixed else k + 1     # an eager batch's grouping may move
             yield value, until
             k = until
