@@ -50,22 +50,22 @@ class DecodeRun:
     (up to the step of the first sequence's last token, cut where the pool's free blocks run
     out)."""
 
-    def __init__(self, scheduler, plan: StepPlan):
+    def __init__(self, scheduler, plan: StepPlan, seqs: list, starts: list, to_go: int):
+        """`seqs` and `starts` of the plan's items; `to_go`: the fewest output tokens a
+        sequence has left."""
         self.scheduler, self.plan = scheduler, plan
-        self.seqs = [item.seq for item in plan.scheduled]
-        self.starts = [item.start for item in plan.scheduled]
-        self.n = len(self.seqs)
+        self.seqs, self.starts = seqs, starts
+        self.n = len(seqs)
         self.context_tokens = plan.decode_context_tokens
         self.block_size = bs = scheduler.kv.block_size
         # the first step from 2 on whose token opens a block, per sequence (opening_steps)
-        self.first_openings = [2 + (-c - 1) % bs for c in self.starts]
-        self.max_steps = self._max_steps()
+        self.first_openings = [2 + (-c - 1) % bs for c in starts]
+        self.max_steps = self._max_steps(to_go)
 
     # -- bounds -------------------------------------------------------------------------------
-    def _max_steps(self) -> int:
+    def _max_steps(self, to_go: int) -> int:
         """Steps up to a sequence's last token, cut where the pool's free blocks run out."""
-        steps = min(MAX_RUN_STEPS, min(seq.request.output_tokens - seq.num_output_tokens
-                                       for seq in self.seqs))
+        steps = min(MAX_RUN_STEPS, to_go)
         free = self.scheduler.kv.num_free_blocks
         if self.blocks_taken(steps) <= free:
             return steps
@@ -208,14 +208,15 @@ def decode_run(scheduler, plan: StepPlan, attempts: RunAttempts | None = None) \
     appends = getattr(scheduler.kv, "appends_in_place", None)
     if appends is None or (attempts is not None and not attempts.look()):
         return None
-    if min(item.seq.request.output_tokens - item.seq.num_output_tokens
-           for item in plan.scheduled) < MIN_RUN_STEPS \
-            or not all(appends(item.seq, item.start + 1) for item in plan.scheduled) \
+    seqs = [item.seq for item in plan.scheduled]
+    starts = [item.start for item in plan.scheduled]
+    to_go = min([seq.request.output_tokens - seq.num_output_tokens for seq in seqs])
+    if to_go < MIN_RUN_STEPS or not all(map(appends, seqs, [c + 1 for c in starts])) \
             or (scheduler.has_turns and _waits_on_a_live_turn(scheduler)):
         if attempts is not None:
             attempts.found(0)
         return None
-    return DecodeRun(scheduler, plan)
+    return DecodeRun(scheduler, plan, seqs, starts, to_go)
 
 
 def _waits_on_a_live_turn(scheduler) -> bool:
