@@ -348,7 +348,9 @@ class ClockedCostModel(TermModel):
         c = self.clock       # ClockModel.settling_mhz and .slowdown, inlined (every step)
         top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
                                                     c.mhz_per_tflops, c.sensitivity)
-        full = profiled_s
+        full, settling = profiled_s, top
+        if flops / profiled_s / 1e12 <= knee:   # at the top clock: both rounds give these
+            return full, settling
         for _ in range(2):
             tflops = flops / full / 1e12
             settling = min(top, max(low, top - per_tflops * max(0.0, tflops - knee)))
