@@ -262,6 +262,7 @@ class ClockedCostModel(TermModel):
         for k in range(1, run.max_steps + 1):
             if now_s >= horizon_s and k > 1:     # step 1 is scheduled
                 break
+            pairs += n
             if forward_base is None:
                 forward, terms = next(steps)
             else:
@@ -271,7 +272,6 @@ class ClockedCostModel(TermModel):
                 out.append(fsum(base + terms + [(scale - 1.0) * around]))
                 now_s = now_s + out[-1]
                 continue
-            pairs += n
             flops = flops_rows + per_pair * pairs
             full, settling = forward, top           # full_clock; min/max as conditionals
             if flops / forward / 1e12 > knee:       # (below the knee its rounds give these)
