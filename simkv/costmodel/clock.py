@@ -246,7 +246,8 @@ class ClockedCostModel(TermModel):
         base, forward_base, around, steps = self._run_terms(run, shared)
         n, fsum = run.n, math.fsum
         per_token, per_sample, per_pair = self.counts
-        context0 = run.context_tokens - n
+        flops_rows = per_token * n + per_sample * n      # step_flops' first two terms
+        pairs = run.context_tokens - n                   # step k's: pairs + n x k
         scale = self.scale
         c = self.clock
         top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
@@ -259,8 +260,9 @@ class ClockedCostModel(TermModel):
         settled_after = state._settled_after_s
         level, mhz, free_at = state.level, state.mhz, state.free_at_s
         for k in range(1, run.max_steps + 1):
-            if k > 1 and now_s >= horizon_s:     # step 1 is scheduled
+            if now_s >= horizon_s and k > 1:     # step 1 is scheduled
                 break
+            pairs += n
             if forward_base is None:
                 forward, terms = next(steps)
             else:
@@ -270,14 +272,15 @@ class ClockedCostModel(TermModel):
                 out.append(fsum(base + terms + [(scale - 1.0) * around]))
                 now_s = now_s + out[-1]
                 continue
-            flops = per_token * n + per_sample * n + per_pair * (context0 + n * k)
-            full = forward                          # full_clock; min/max as conditionals
-            for _ in range(2):
-                above = flops / full / 1e12 - knee
-                settling = top - per_tflops * (above if above > 0.0 else 0.0)
-                settling = settling if settling > low else low
-                settling = settling if settling < top else top
-                full = forward / (1.0 + sensitivity * (top / settling - 1.0))
+            flops = flops_rows + per_pair * pairs
+            full, settling = forward, top           # full_clock; min/max as conditionals
+            if flops / forward / 1e12 > knee:       # (below the knee its rounds give these)
+                for _ in range(2):
+                    above = flops / full / 1e12 - knee
+                    settling = top - per_tflops * (above if above > 0.0 else 0.0)
+                    settling = settling if settling > low else low
+                    settling = settling if settling < top else top
+                    full = forward / (1.0 + sensitivity * (top / settling - 1.0))
             if free_at is not None and now_s > free_at:     # ClockState.idle
                 gap = now_s - free_at
                 if gap >= settled_after:
@@ -295,7 +298,8 @@ class ClockedCostModel(TermModel):
             work, clocked = full * scale, 0.0       # ClockState.run_step
             while work > 0:
                 rate = 1.0 / (1.0 + sensitivity * (top / mhz - 1.0))
-                if work <= rate * dt:
+                slice_work = rate * dt
+                if work <= slice_work:
                     piece = work / rate                 # ClockState.decays(piece), likewise
                     level = settling + (level - settling) * (exp(-piece / tau_window)
                                                              if tau_window else 0.0)
@@ -305,7 +309,7 @@ class ClockedCostModel(TermModel):
                     break
                 level = settling + (level - settling) * window
                 mhz = level + (mhz - level) * (down if level < mhz else up)
-                work -= rate * dt
+                work -= slice_work
                 clocked += dt
             free_at = now_s + clocked
             terms.append((scale - 1.0) * (forward + around))
@@ -344,7 +348,9 @@ class ClockedCostModel(TermModel):
         c = self.clock       # ClockModel.settling_mhz and .slowdown, inlined (every step)
         top, low, knee, per_tflops, sensitivity = (c.max_mhz, c.min_mhz, c.knee_tflops,
                                                     c.mhz_per_tflops, c.sensitivity)
-        full = profiled_s
+        full, settling = profiled_s, top
+        if flops / profiled_s / 1e12 <= knee:   # at the top clock: both rounds give these
+            return full, settling
         for _ in range(2):
             tflops = flops / full / 1e12
             settling = min(top, max(low, top - per_tflops * max(0.0, tflops - knee)))

@@ -366,9 +366,10 @@ class ProfiledCostModel(TermModel):
         per_token = self.decode_token_seconds(n)
         first_share, further_share = self._shared_saving_first, self._shared_saving_further
         a_long = self._a_long
-        tails = self.layout.decode_run_tail(run.starts, True, self.block_size) if a_long \
-            else None
+        tails = self.layout.decode_run_tail_segments(run.starts, True, self.block_size) \
+            if a_long else None
         context, k = run.context_tokens - n, 1
+        tail, tail_until = 0.0, 1
         while True:
             terms = [per_token * (context + n * k)]
             if shared is not None:
@@ -377,7 +378,10 @@ class ProfiledCostModel(TermModel):
                     terms.append(-per_token * (first_share * first
                                                + further_share * (repeats - first)))
             if tails is not None:
-                terms.append(a_long * next(tails))
+                if k == tail_until:
+                    tokens, tail_until = next(tails)
+                    tail = a_long * tokens
+                terms.append(tail)
             yield terms
             k += 1
 

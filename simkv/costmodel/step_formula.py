@@ -242,30 +242,42 @@ class StepLayout:
     def decode_run_tail(self, starts: list, graph: bool, block_size: int):
         """`decode_tail_tokens` of the steps k = 1, 2, ... of a decode run (a generator): a
         batch whose sequence i has c_i + k context tokens in step k (`starts`: the c_i, in
-        batch order). In order, the programs grow only where a context passes a multiple of
-        the span, and the tail is taken again only there."""
+        batch order); `decode_run_tail_segments`, step by step."""
+        k = 1
+        for value, until in self.decode_run_tail_segments(starts, graph, block_size):
+            for _ in range(k, until):
+                yield value
+            k = until
+
+    def decode_run_tail_segments(self, starts: list, graph: bool, block_size: int):
+        """`decode_run_tail` as segments (a generator of (tokens, until)): the tail is `tokens`
+        in the steps from the previous segment's `until` (step 1 for the first) up to `until`,
+        not included. In order, a graphed batch's programs grow only where a context passes a
+        multiple of the span, and the tail is taken again only there; otherwise each segment
+        is one step."""
         n = len(starts)
         longest0, context0 = max(starts), sum(starts)
         k = 1
         if not (self.decode_tail_in_order and self.decode_slots_per_sm and self.sm_count):
             while True:
                 yield self.decode_tail_tokens(n, longest0 + k, context0 + n * k, graph,
-                                              block_size)
+                                              block_size), k + 1
                 k += 1
-        grouping, value, valid_until, residues = None, 0.0, 0, ()
+        grouping, value, valid_until = None, 0.0, 0
         fixed = self.tail_grouping(n, longest0 + 1, graph, block_size) if graph else None
         while True:         # a graphed batch's split rule does not read its longest context
             g = fixed or self.tail_grouping(n, longest0 + k, graph, block_size)
             if g != grouping:
                 grouping, valid_until = g, k
-                residues = {c % g[0] for c in starts}
             if k >= valid_until:
                 span, tile, groups = g
                 value = listed_tail([(c + k + span - 1) // span * tile for c in starts], groups)
-                # the next step where a context becomes q x span + 1 (its programs grow)
-                valid_until = k + min(((1 - r - k) % span) or span for r in residues)
-            yield value
-            k += 1
+                # the next step where a context becomes q x span + 1 (its programs grow): the
+                # least (1 - c - k) % span, a 0 counting as span
+                valid_until = k + 1 + min([(-c - k) % span for c in starts])
+            until = valid_until if fixed else k + 1     # an eager batch's grouping may move
+            yield value, until
+            k = until
 
     def prefill_tail_tokens(self, chunks) -> float:
         """Key tokens by which the prefill kernel's busiest program reads beyond an even share

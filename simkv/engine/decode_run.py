@@ -32,6 +32,8 @@ kept per step: not written.
 from __future__ import annotations
 
 from array import array
+from itertools import accumulate
+from operator import sub
 
 from simkv.engine.plan import ScheduledSeq, StepPlan
 
@@ -48,20 +50,22 @@ class DecodeRun:
     (up to the step of the first sequence's last token, cut where the pool's free blocks run
     out)."""
 
-    def __init__(self, scheduler, plan: StepPlan):
+    def __init__(self, scheduler, plan: StepPlan, seqs: list, starts: list, to_go: int):
+        """`seqs` and `starts` of the plan's items; `to_go`: the fewest output tokens a
+        sequence has left."""
         self.scheduler, self.plan = scheduler, plan
-        self.seqs = [item.seq for item in plan.scheduled]
-        self.starts = [item.start for item in plan.scheduled]
-        self.n = len(self.seqs)
+        self.seqs, self.starts = seqs, starts
+        self.n = len(seqs)
         self.context_tokens = plan.decode_context_tokens
-        self.block_size = scheduler.kv.block_size
-        self.max_steps = self._max_steps()
+        self.block_size = bs = scheduler.kv.block_size
+        # the first step from 2 on whose token opens a block, per sequence (opening_steps)
+        self.first_openings = [2 + (-c - 1) % bs for c in starts]
+        self.max_steps = self._max_steps(to_go)
 
     # -- bounds -------------------------------------------------------------------------------
-    def _max_steps(self) -> int:
+    def _max_steps(self, to_go: int) -> int:
         """Steps up to a sequence's last token, cut where the pool's free blocks run out."""
-        steps = min(MAX_RUN_STEPS, min(seq.request.output_tokens - seq.num_output_tokens
-                                       for seq in self.seqs))
+        steps = min(MAX_RUN_STEPS, to_go)
         free = self.scheduler.kv.num_free_blocks
         if self.blocks_taken(steps) <= free:
             return steps
@@ -78,7 +82,7 @@ class DecodeRun:
         """Blocks the batch takes in steps 2..`steps` (step 1's are taken): one where a token
         opens a block."""
         bs = self.block_size
-        return sum(len(opening_steps(c, bs, 2, steps)) for c in self.starts)
+        return sum((steps - k) // bs + 1 for k in self.first_openings if k <= steps)
 
     # -- the steps, as plans ------------------------------------------------------------------
     def plan_at(self, k: int, now_s: float) -> StepPlan:
@@ -105,19 +109,17 @@ class DecodeRun:
         scheduler, kv = self.scheduler, self.scheduler.kv
         seqs, starts, n = self.seqs, self.starts, self.n
         tables = [len(seq.block_table) for seq in seqs]       # as step 1 runs
-        opened = kv.append_decode_tokens(seqs, starts, m, 2)
-        durations = [ends[k] - ends[k - 1] for k in range(1, m + 1)]
-        # what the recorder's observe would have seen in each step
+        opened = kv.append_decode_tokens(seqs, starts, m, 2)[1:]    # in steps 1..m
+        durations = list(map(sub, ends[1:], ends[:-1]))        # ends[k] - ends[k - 1]
+        # what the recorder's observe would have seen in each step: the blocks in use, and
+        # the slots the tables hold that no computed token or this step's fills
         plan = self.plan
-        used, blocks, computed = plan.kv_blocks_used, sum(tables), sum(starts)
-        used_rows, waste_rows = [], []
-        running = scheduler.running
-        for k in range(1, m + 1):
-            used += opened[k]
-            blocks += opened[k]
-            used_rows.append(used)
-            waste_rows.append(kv.allocated_slots(blocks, running) - computed - n)
-            computed += n
+        used_rows = list(accumulate(opened, initial=plan.kv_blocks_used))[1:]
+        table_rows = list(accumulate(opened, initial=sum(tables)))[1:]
+        allocated_slots, running = kv.allocated_slots, scheduler.running
+        computed = sum(starts)
+        waste_rows = [allocated_slots(blocks, running) - filled for blocks, filled
+                      in zip(table_rows, range(computed + n, computed + n * m + 1, n))]
         recorder.record_decode_run(plan, n, ends, durations, used_rows, waste_rows,
                                    self._table_steps(tables, m))
         # steps 1..m-1: every sequence gets a token at each step's end, none its last
@@ -126,12 +128,12 @@ class DecodeRun:
             itl.extend(array("d", [ends[1] - seq.last_token_s for seq in seqs]))
             for d in durations[1:m - 1]:
                 itl.extend(array("d", (d,)) * n)
-            done = m - 1
+            done, last_token_s = m - 1, ends[m - 1]
             for seq in seqs:
                 seq.num_computed_tokens += done
                 seq.num_tokens += done
                 seq.num_output_tokens += done
-                seq.last_token_s = ends[m - 1]
+                seq.last_token_s = last_token_s
         scheduler.step_id += m - 1
         # step m as the scheduler finishes any step (it may finish sequences); finish_step
         # reads the plan's items' sequences and token counts only, which are step 1's
@@ -143,9 +145,9 @@ class DecodeRun:
         table)."""
         bs = self.block_size
         counts: dict = {}
-        for c, nb in zip(self.starts, tables):
+        for first, nb in zip(self.first_openings, tables):
             k = 1                        # steps k..opens-1 at nb blocks, then one more
-            for opens in opening_steps(c, bs, 2, m):
+            for opens in range(first, m + 1, bs):       # opening_steps(c, bs, 2, m)
                 counts[nb] = counts.get(nb, 0) + opens - k
                 nb += 1
                 k = opens
@@ -206,14 +208,15 @@ def decode_run(scheduler, plan: StepPlan, attempts: RunAttempts | None = None) \
     appends = getattr(scheduler.kv, "appends_in_place", None)
     if appends is None or (attempts is not None and not attempts.look()):
         return None
-    if min(item.seq.request.output_tokens - item.seq.num_output_tokens
-           for item in plan.scheduled) < MIN_RUN_STEPS \
-            or not all(appends(item.seq, item.start + 1) for item in plan.scheduled) \
+    seqs = [item.seq for item in plan.scheduled]
+    starts = [item.start for item in plan.scheduled]
+    to_go = min([seq.request.output_tokens - seq.num_output_tokens for seq in seqs])
+    if to_go < MIN_RUN_STEPS or not all(map(appends, seqs, [c + 1 for c in starts])) \
             or (scheduler.has_turns and _waits_on_a_live_turn(scheduler)):
         if attempts is not None:
             attempts.found(0)
         return None
-    return DecodeRun(scheduler, plan)
+    return DecodeRun(scheduler, plan, seqs, starts, to_go)
 
 
 def _waits_on_a_live_turn(scheduler) -> bool:

@@ -37,6 +37,7 @@ was empty, one made then. Every step is taken one by one (no decode runs).
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Protocol
 
 from simkv.engine.decode_run import RunAttempts, decode_run
@@ -107,9 +108,7 @@ def serve(scheduler, executor, recorder, *, check_integrity: bool = False, on_st
         if run is not None:
             seconds = runs(run, now, (yield HORIZON))
             attempts.found(len(seconds))
-            ends = [now]
-            for s in seconds:               # as the driver's clock adds them, step by step
-                ends.append(ends[-1] + s)
+            ends = list(accumulate(seconds, initial=now))   # as the driver's clock adds them
             if cut_runs:
                 end = yield RunSteps(run, ends)
                 if end != ends[-1]:         # stopped at step k's end: keep steps 1..k
@@ -203,7 +202,9 @@ def hops(ends: list) -> list:
 def delay_to(now: float, target: float) -> float | None:
     """A delay d >= 0 with `now + d == target` in floating point, or None."""
     d = target - now
-    for candidate in (d, math.nextafter(d, math.inf), math.nextafter(d, -math.inf)):
+    if d >= 0 and now + d == target:        # mostly: the difference itself
+        return d
+    for candidate in (math.nextafter(d, math.inf), math.nextafter(d, -math.inf)):
         if candidate >= 0 and now + candidate == target:
             return candidate
     return None
