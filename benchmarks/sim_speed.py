@@ -20,7 +20,8 @@ the simulation alone (Simulation.run, CPU seconds) step by step (`exact`) and wi
 the result writer's CPU seconds, and checks that both give the same summary.json (but wall
 time), requests.csv and steps.csv, byte for byte. `--per-step` gives the simulation's CPU
 microseconds per step at 1k, 5k and 19k requests of the Azure conv trace (what must not grow
-with the run). `--profile` runs the simulation once in-process under cProfile and reports where
+with the run), then the first 1,000 requests tiled 1, 5 and 19 times (the same work per step
+whatever the length) and 1,000-request windows at three offsets (what the trace's parts ask). `--profile` runs the simulation once in-process under cProfile and reports where
 the time goes, by component. `--tail-ab N` times, in one process and alternated N times, the
 first 6,000 requests at twice their rate (32 GiB) with the profile's fit as it is and with its
 decode tail taken the earlier way (the longest program against an even share,
@@ -188,25 +189,60 @@ def in_process(scenario: Path, repeats: int) -> dict:
 
 
 def per_step(repeats: int = 3) -> dict:
-    """CPU microseconds per step of the simulation at 1k, 5k and 19k Azure conv requests."""
+    """CPU microseconds per step of the simulation at 1k, 5k and 19k Azure conv requests; then
+    the same counts as the first 1,000 requests tiled 1, 5 and 19 times (each copy a minute
+    after the one before ends, under new request ids), which separates what the run's length
+    costs per step from what the later parts of the trace ask (their requests arrive closer
+    together: fewer decode-only steps between events); and a 1,000-request window at three
+    offsets of the trace, which shows that second effect alone."""
     import statistics
+    import pandas as pd
     import simkv
     from simkv.sim.engine import Simulation
-    out = {}
+
+    def timed(scn, frame=None) -> tuple:
+        us = []
+        for _ in range(repeats):
+            sim = Simulation(scn, frame)
+            start = time.process_time()
+            steps = sim.run().summary["num_steps"]
+            us.append(1e6 * (time.process_time() - start) / steps)
+        return statistics.median(us), steps, us
+
+    def show(label: str, us: float, steps: int, each: list) -> None:
+        print(f"{label}: {us:.2f} CPU us per step ({steps} steps; "
+              f"{', '.join(f'{u:.2f}' for u in each)})", flush=True)
+
+    out = {"prefix": {}, "tiled": {}, "windows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "azure.yaml")
         path.write_text(SCENARIO)
         for limit in (1000, 5000, 19366):
             scn = simkv.load_scenario(path, {"workload.limit": limit, **SAME_WORK})
-            us = []
-            for _ in range(repeats):
-                sim = Simulation(scn)
-                start = time.process_time()
-                steps = sim.run().summary["num_steps"]
-                us.append(1e6 * (time.process_time() - start) / steps)
-            out[limit] = {"us_per_step": statistics.median(us), "steps": steps}
-            print(f"{limit:6d} requests: {statistics.median(us):.2f} CPU us per step "
-                  f"({steps} steps; {', '.join(f'{u:.2f}' for u in us)})", flush=True)
+            us, steps, each = timed(scn)
+            out["prefix"][limit] = {"us_per_step": us, "steps": steps}
+            show(f"{limit:6d} requests", us, steps, each)
+        scn = simkv.load_scenario(path, {"workload.limit": 1000, **SAME_WORK})
+        first = Simulation(scn).frame
+        period = float(first["arrival_s"].max()) + 60.0
+        for copies in (1, 5, 19):
+            frame = pd.concat([first.assign(arrival_s=first["arrival_s"] + k * period,
+                                            request_id=first["request_id"] + k * len(first))
+                               for k in range(copies)], ignore_index=True)
+            us, steps, each = timed(scn, frame)
+            out["tiled"][copies] = {"us_per_step": us, "steps": steps}
+            show(f"first 1,000 x {copies:2d}", us, steps, each)
+        for offset in (0, 9000, 18000):
+            scn = simkv.load_scenario(path, {"workload.limit": 1000, "workload.offset": offset,
+                                             **SAME_WORK})
+            us, steps, each = timed(scn)
+            out["windows"][offset] = {"us_per_step": us, "steps": steps}
+            show(f"requests {offset}-{offset + 999}", us, steps, each)
+    for part in ("prefix", "tiled"):
+        values = [v["us_per_step"] for v in out[part].values()]
+        out[part + "_spread"] = max(values) / min(values) - 1
+    print(f"per-step spread: the trace's first 1k/5k/19k {out['prefix_spread']:+.1%}, "
+          f"the first 1,000 tiled x1/x5/x19 {out['tiled_spread']:+.1%}")
     return out
 
 
@@ -303,7 +339,8 @@ def main() -> None:
     ap.add_argument("--in-process", type=int, default=0, metavar="N",
                     help="time the simulation alone, step by step and with decode runs, N times")
     ap.add_argument("--per-step", action="store_true",
-                    help="CPU microseconds per step at 1k, 5k and 19k Azure conv requests")
+                    help="CPU microseconds per step at 1k, 5k and 19k Azure conv requests, the first "
+                         "1,000 tiled x1/x5/x19, and three 1,000-request windows")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     needs = TRACE if args.scenario == "azure" or args.per_step else MOONCAKE \
