@@ -101,8 +101,9 @@ def extend_block_hashes(seq: Sequence, num_full_blocks: int, block_size: int) ->
     tokens = seq.token_ids
     prompt = req.prompt_tokens
     if i * block_size > prompt and tokens is None and req.parent is None and not req.mm_spans:
-        # The block before is the sample's own too (wholly past the prompt), so these go on
-        # from its hash as unique_hashes counts (the common decode: one block at a time).
+        # The block before holds an output token, so it is the sample's own (keyed unique,
+        # simulated_block_key) and these go on from its hash as unique_hashes counts (the
+        # common decode: one block at a time).
         h = hashes[-1]
         for _ in range(num_full_blocks - i):
             h -= _BLOCK_STRIDE
