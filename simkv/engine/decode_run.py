@@ -35,6 +35,7 @@ from array import array
 from itertools import accumulate
 from operator import sub
 
+from simkv.engine.kv.paged import first_opening_step
 from simkv.engine.plan import ScheduledSeq, StepPlan
 
 MAX_RUN_STEPS = 4096       # steps one run covers at most (it is planned before it is timed)
@@ -58,8 +59,8 @@ class DecodeRun:
         self.n = len(seqs)
         self.context_tokens = plan.decode_context_tokens
         self.block_size = bs = scheduler.kv.block_size
-        # the first step from 2 on whose token opens a block, per sequence (opening_steps)
-        self.first_openings = [2 + (-c - 1) % bs for c in starts]
+        # the first step from 2 on whose token opens a block, per sequence
+        self.first_openings = [first_opening_step(c, bs, 2) for c in starts]
         self.max_steps = self._max_steps(to_go)
 
     # -- bounds -------------------------------------------------------------------------------
@@ -147,21 +148,12 @@ class DecodeRun:
         counts: dict = {}
         for first, nb in zip(self.first_openings, tables):
             k = 1                        # steps k..opens-1 at nb blocks, then one more
-            for opens in range(first, m + 1, bs):       # opening_steps(c, bs, 2, m)
+            for opens in range(first, m + 1, bs):
                 counts[nb] = counts.get(nb, 0) + opens - k
                 nb += 1
                 k = opens
             counts[nb] = counts.get(nb, 0) + m - k + 1
         return counts
-
-
-def opening_steps(start: int, block_size: int, first_step: int, last_step: int) -> range:
-    """The steps of first_step..last_step of a decode run in which a sequence that computes
-    token `start` in step 1 (token start + k - 1 in step k) opens a block."""
-    k = (-start) % block_size + 1
-    if k < first_step:
-        k += -(-(first_step - k) // block_size) * block_size
-    return range(k, last_step + 1, block_size)
 
 
 class RunAttempts:

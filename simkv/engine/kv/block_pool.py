@@ -139,25 +139,17 @@ class BlockPool:
             for block in blocks:
                 ref_cnt[block] = 1
             return blocks
-        if self.duplicates:
-            evicted = 0
-            for block in blocks:
-                ref_cnt[block] = 1
-                h = block_hash[block]
-                if h is not None:
+        cached, duplicates, evicted = self.cached, self.duplicates, 0
+        for block in blocks:
+            ref_cnt[block] = 1
+            h = block_hash[block]
+            if h is not None:
+                if duplicates:
                     self._unindex(block, h)
-                    block_hash[block] = None
-                    evicted += 1
-        else:                     # no duplicates: a hashed block is its hash's only one
-            cached = self.cached
-            indexed = len(cached)
-            for block in blocks:
-                ref_cnt[block] = 1
-                h = block_hash[block]
-                if h is not None:
+                else:             # no duplicates: the block is its hash's only one
                     del cached[h]
-                    block_hash[block] = None
-            evicted = indexed - len(cached)
+                block_hash[block] = None
+                evicted += 1
         self.num_cached_free -= evicted
         self.num_evictions += evicted
         self.num_removals += evicted

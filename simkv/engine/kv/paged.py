@@ -30,6 +30,12 @@ class HostPool:
             self.free.append(block)
 
 
+def first_opening_step(start: int, block_size: int, first_step: int) -> int:
+    """The first step from `first_step` on of a decode run in which a sequence that computes
+    token `start` in step 1 (token start + k - 1 in step k) opens a block; it opens one every
+    `block_size` steps from there."""
+    return first_step + (1 - first_step - start) % block_size
+
 class PagedKVCacheManager:
     """Blocks on demand, per-sequence block tables, prefix caching, CoW forks, swap (the
     KVManager protocol, simkv.engine.kv.interface)."""
@@ -137,12 +143,8 @@ class PagedKVCacheManager:
         bs = self.block_size
         opens = []                       # (step, sequence index) of each block opened
         for i, c in enumerate(starts):
-            # opening_steps(c, bs, first_step, steps) without the call: the first step from
-            # first_step on whose token c + k - 1 starts a block, then every bs steps
-            k = first_step + (1 - first_step - c) % bs
-            while k <= steps:
-                opens.append((k, i))
-                k += bs
+            opens.extend((k, i) for k in range(first_opening_step(c, bs, first_step),
+                                                steps + 1, bs))
         opened = [0] * (steps + 1)
         if opens:
             opens.sort()
