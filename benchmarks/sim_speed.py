@@ -2,7 +2,7 @@
 
     python benchmarks/sim_speed.py [--scenario azure|mooncake-memory|running-1024] [--runs 3]
         [--against DIR --ab N] [--in-process N] [--per-step] [--profile] [--tail-ab N]
-        [--clock-ab N] [--json OUT.json]
+        [--clock-ab N] [--parts] [--json OUT.json]
 
 Scenarios: `azure` (default), the whole shared Azure conv trace on the profiled H200 model with
 its default effects, max_num_seqs 256 and 8,192 batched tokens; `mooncake-memory` and
@@ -22,7 +22,8 @@ time), requests.csv and steps.csv, byte for byte. `--per-step` gives the simulat
 microseconds per step at 1k, 5k and 19k requests of the Azure conv trace (what must not grow
 with the run), then the first 1,000 requests tiled 1, 5 and 19 times (the same work per step
 whatever the length) and 1,000-request windows at three offsets (what the trace's parts ask). `--profile` runs the simulation once in-process under cProfile and reports where
-the time goes, by component. `--tail-ab N` times, in one process and alternated N times, the
+the time goes, by component; `--parts` times the simulation's main parts (PARTS) around each
+call, without cProfile's inflation of small functions. `--tail-ab N` times, in one process and alternated N times, the
 first 6,000 requests at twice their rate (32 GiB) with the profile's fit as it is and with its
 decode tail taken the earlier way (the longest program against an even share,
 `decode_tail_in_order` off): the cost of the in-order tail as a ratio. `--clock-ab N` likewise
@@ -269,6 +270,69 @@ def profile_components(scenario: Path) -> dict:
     return {k: round(v / grand, 4) for k, v in totals.items()}
 
 
+PARTS = [("simkv.costmodel.clock", "ClockedCostModel.decode_run_seconds",
+          "a decode run's step times (the clock state stepped through them)"),
+         ("simkv.costmodel.clock", "ClockedCostModel.term_values", "a single step's terms"),
+         ("simkv.engine.decode_run", "DecodeRun.commit",
+          "applying a decode run (its KV blocks, rows, tokens; finish_step of its last step)"),
+         ("simkv.engine.scheduler", "Scheduler.schedule", "planning a step"),
+         ("simkv.engine.scheduler", "Scheduler._schedule_running", "  of it: the running pass"),
+         ("simkv.engine.scheduler", "Scheduler._admit_waiting",
+          "  of it: admitting waiting requests (prefix lookups, their prompts' blocks)"),
+         ("simkv.engine.scheduler", "Scheduler.finish_step",
+          "finishing a step (also inside commit)"),
+         ("simkv.engine.metrics", "MetricsRecorder.observe", "observing a single step's KV")]
+
+
+def parts(scenario: Path) -> dict:
+    """CPU seconds of the simulation inside each of PARTS, timed around every call with
+    time.process_time (about 0.2 us a call; cProfile's per-call cost inflates small
+    functions instead), and the whole simulation, timed once without the timers and once
+    with them."""
+    import importlib
+    import simkv
+    from simkv.sim.engine import Simulation
+    scn = simkv.load_scenario(scenario, SAME_WORK)
+    frame = Simulation(scn).frame
+    sim = Simulation(scn, frame)
+    start = time.process_time()
+    sim.run()
+    plain = time.process_time() - start
+    spent, saved = {}, []
+    for module, name, _ in PARTS:
+        cls_name, attr = name.split(".")
+        cls = getattr(importlib.import_module(module), cls_name)
+        original = getattr(cls, attr)
+        saved.append((cls, attr, original))
+        spent[name] = [0.0, 0]
+
+        def timed(*args, _f=original, _acc=spent[name], **kwargs):
+            t = time.process_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                _acc[0] += time.process_time() - t
+                _acc[1] += 1
+        setattr(cls, attr, timed)
+    try:
+        sim = Simulation(scn, frame)
+        start = time.process_time()
+        sim.run()
+        timed_total = time.process_time() - start
+    finally:
+        for cls, attr, original in saved:
+            setattr(cls, attr, original)
+    print(f"\nthe simulation alone: {plain:.2f} CPU s ({timed_total:.2f} with the timers); "
+          "inside (a part may hold another):")
+    for module, name, what in PARTS:
+        seconds, calls = spent[name]
+        print(f"  {name:38s} {seconds:6.2f} CPU s {calls:8d} calls "
+              f"{1e6 * seconds / max(calls, 1):8.1f} us each  {what}")
+    return {"simulation_cpu_s": plain, "with_timers_cpu_s": timed_total,
+            "parts": {name: {"cpu_s": spent[name][0], "calls": spent[name][1]}
+                      for _, name, _ in PARTS}}
+
+
 def _ab_scenario(scenario: Path, **top):
     import simkv
     return simkv.load_scenario(scenario, {**SAME_WORK, "workload.limit": 6000,
@@ -341,6 +405,8 @@ def main() -> None:
     ap.add_argument("--per-step", action="store_true",
                     help="CPU microseconds per step at 1k, 5k and 19k Azure conv requests, the first "
                          "1,000 tiled x1/x5/x19, and three 1,000-request windows")
+    ap.add_argument("--parts", action="store_true",
+                    help="CPU seconds of the simulation inside its main parts (timed per call)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     needs = TRACE if args.scenario == "azure" or args.per_step else MOONCAKE \
@@ -357,7 +423,7 @@ def main() -> None:
         scenario = BENCH_SCENARIOS.get(args.scenario) or Path(tmp, "azure.yaml")
         if args.scenario == "azure":
             scenario.write_text(SCENARIO)
-        if args.against is not None or args.in_process or args.per_step:
+        if args.against is not None or args.in_process or args.per_step or args.parts:
             figures = dict(meta)
             if args.against is not None:
                 figures["checkout_ab"] = checkout_ab(scenario, args.against.resolve(), args.ab)
@@ -365,6 +431,8 @@ def main() -> None:
                 figures["in_process"] = in_process(scenario, args.in_process)
             if args.per_step:
                 figures["per_step"] = per_step()
+            if args.parts:
+                figures["parts"] = parts(scenario)
             if args.json:
                 args.json.write_text(json.dumps(figures, indent=2) + "\n")
             return
