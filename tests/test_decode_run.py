@@ -5,7 +5,7 @@ where absent) and Hypothesis-generated ones, on the roofline model (timed step b
 `plan_at`) and the profiled H200 model with its effects (timed in closed form), run twice:
 with `exact=True` and with decode runs. summary.json (but wall time), requests.csv and
 steps.csv must be the same bytes. The whole shared traces are compared by
-`benchmarks/sim_speed.py --identical`.
+`benchmarks/sim_speed.py --in-process 1` (and `--scenario mooncake-memory|running-1024`).
 """
 import json
 import math
