@@ -21,10 +21,11 @@ the result writer's CPU seconds, and checks that both give the same summary.json
 time), requests.csv and steps.csv, byte for byte. `--per-step` gives the simulation's CPU
 microseconds per step at 1k, 5k and 19k requests of the Azure conv trace (what must not grow
 with the run), then the first 1,000 requests tiled 1, 5 and 19 times (the same work per step
-whatever the length) and 1,000-request windows at three offsets (what the trace's parts ask). `--profile` runs the simulation once in-process under cProfile and reports where
-the time goes, by component; `--parts` times the simulation's main parts (PARTS) around each
-call, without cProfile's inflation of small functions. `--tail-ab N` times, in one process and alternated N times, the
-first 6,000 requests at twice their rate (32 GiB) with the profile's fit as it is and with its
+whatever the length) and 1,000-request windows at three offsets (what the trace's parts ask).
+`--profile` runs the simulation once in-process under cProfile and reports where the time goes,
+by component; `--parts` times the simulation's main parts (PARTS) around each call, without
+cProfile's inflation of small functions. `--tail-ab N` times, in one process and alternated N
+times, the first 6,000 requests at twice their rate (32 GiB) with the profile's fit as it is and with its
 decode tail taken the earlier way (the longest program against an even share,
 `decode_tail_in_order` off): the cost of the in-order tail as a ratio. `--clock-ab N` likewise
 times the same requests with the GPU clock-state model (the default) and with the clock fixed
@@ -151,14 +152,20 @@ def _outputs(result) -> tuple:
     return json.dumps(summary, indent=2), csv_text(result.requests), csv_text(result.steps)
 
 
+def _loaded(scenario: Path) -> tuple:
+    """(scenario, its requests' frame), loaded once for the simulations an option times."""
+    import simkv
+    from simkv.sim.engine import Simulation
+    scn = simkv.load_scenario(scenario, SAME_WORK)
+    return scn, Simulation(scn).frame
+
+
 def in_process(scenario: Path, repeats: int) -> dict:
     """The simulation alone (CPU s), step by step and with decode runs, alternated; the
     writer's CPU seconds; and whether both give the same bytes."""
     import statistics
-    import simkv
     from simkv.sim.engine import Simulation
-    scn = simkv.load_scenario(scenario, SAME_WORK)
-    frame = Simulation(scn).frame
+    scn, frame = _loaded(scenario)
     times = {"exact": [], "runs": [], "write": []}
     identical = True
     sim_s = 0.0
@@ -286,14 +293,13 @@ PARTS = [("simkv.costmodel.clock", "ClockedCostModel.decode_run_seconds",
 
 def parts(scenario: Path) -> dict:
     """CPU seconds of the simulation inside each of PARTS, timed around every call with
-    time.process_time (about 0.2 us a call; cProfile's per-call cost inflates small
-    functions instead), and the whole simulation, timed once without the timers and once
-    with them."""
+    time.process_time (cProfile's per-call cost inflates small functions instead), and the
+    whole simulation, timed once without the timers and once with them: the difference is
+    the timers' own cost (about 1.5 us a call on the Azure trace, the 2-core VM), which a part holds for its
+    own calls and those of the parts inside it."""
     import importlib
-    import simkv
     from simkv.sim.engine import Simulation
-    scn = simkv.load_scenario(scenario, SAME_WORK)
-    frame = Simulation(scn).frame
+    scn, frame = _loaded(scenario)
     sim = Simulation(scn, frame)
     start = time.process_time()
     sim.run()
@@ -324,7 +330,7 @@ def parts(scenario: Path) -> dict:
             setattr(cls, attr, original)
     print(f"\nthe simulation alone: {plain:.2f} CPU s ({timed_total:.2f} with the timers); "
           "inside (a part may hold another):")
-    for module, name, what in PARTS:
+    for _, name, what in PARTS:
         seconds, calls = spent[name]
         print(f"  {name:38s} {seconds:6.2f} CPU s {calls:8d} calls "
               f"{1e6 * seconds / max(calls, 1):8.1f} us each  {what}")
